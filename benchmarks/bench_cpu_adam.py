@@ -1,0 +1,173 @@
+"""CPU Adam throughput: twinflow's kernel vs torch fused AdamW vs DeepSpeedCPUAdam, in one run.
+
+    python benchmarks/bench_cpu_adam.py --params 268435456 --threads 16 [--out FILE]
+
+Reports Gparam/s and GB/s (28 bytes per parameter: fp32 param, m, v read and
+written, plus an fp32 gradient read; or a bf16 gradient read and a bf16 weight
+copy written), the bf16-gradient/bf16-copy variant, the memory ceiling of that
+access pattern (a probe that moves the same bytes with trivial arithmetic), and
+a thread sweep. Writes JSON (and a PNG of the sweep when matplotlib is present).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
+from twinflow import ops  # noqa: E402
+
+BYTES_PER_PARAM = 28
+
+
+def fp32_set(n: int, gen: torch.Generator) -> dict:
+    return {
+        "param": torch.randn(n, generator=gen),
+        "grad": torch.randn(n, generator=gen),
+        "exp_avg": torch.zeros(n),
+        "exp_avg_sq": torch.zeros(n),
+    }
+
+
+def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: bool = False):
+    step = [0]
+
+    def run() -> None:
+        if probe:
+            ops.bandwidth_probe_([s["param"]], [s["grad"]], [s["exp_avg"]], [s["exp_avg_sq"]],
+                                 out_copies=[out] if out is not None else None, num_threads=threads)  # fmt: skip
+            return
+        step[0] += 1
+        ops.adam_step_([s["param"]], [s["grad"]], [s["exp_avg"]], [s["exp_avg_sq"]], [step[0]], lr=1e-4,
+                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                       out_copies=[out] if out is not None else None, num_threads=threads)  # fmt: skip
+
+    return run
+
+
+def torch_fused_fn(s: dict, threads: int):
+    p = torch.nn.Parameter(s["param"])
+    p.grad = s["grad"]
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=True)
+
+    def run() -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        opt.step()
+        torch.set_num_threads(previous)
+
+    return run
+
+
+def deepspeed_fn(s: dict):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    p = torch.nn.Parameter(s["param"])
+    p.grad = s["grad"]
+    opt = DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+    return opt.step
+
+
+def copy_bandwidth(n: int, rounds: int) -> float:
+    """torch's memory copy, GB/s with bytes read and written both counted (for context)."""
+    src, dst = torch.randn(n), torch.empty(n)
+    seconds = interleaved_medians({"copy": lambda: dst.copy_(src)}, rounds=rounds)["copy"]
+    return 2 * n * 4 / seconds / 1e9
+
+
+def rate(n: int, seconds: float) -> dict:
+    return {"median_s": seconds, "gparam_s": n / seconds / 1e9, "gb_s": n * BYTES_PER_PARAM / seconds / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=1 << 28)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    n, threads = args.params, args.threads
+    gen = torch.Generator().manual_seed(0)
+    result = {"machine": machine_info(), "params": n, "threads": threads, "simd": ops.SIMD_NAMES[ops.resolve_simd()]}
+    print(f"{n / 1e6:.0f}M params, {threads} threads, {result['machine']['cpu']}", flush=True)
+
+    result["copy_gb_s"] = copy_bandwidth(n // 4, args.rounds)
+
+    ours, fused, bf16_set = fp32_set(n, gen), fp32_set(n, gen), fp32_set(n, gen)
+    bf16_set["grad"] = bf16_set["grad"].bfloat16()
+    bf16_out = torch.empty(n, dtype=torch.bfloat16)
+    probe = fp32_set(n, gen)
+    probe_bf16 = dict(probe, grad=probe["grad"].bfloat16())
+    fns = {
+        "twinflow_fp32": twinflow_fn(ours, threads),
+        "torch_fused_fp32": torch_fused_fn(fused, threads),
+        "twinflow_bf16grad_bf16out": twinflow_fn(bf16_set, threads, out=bf16_out),
+        "probe_fp32": twinflow_fn(probe, threads, probe=True),
+        "probe_bf16grad_bf16out": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True),
+    }
+    if not args.no_deepspeed:
+        try:
+            fns["deepspeed_cpu_adam_fp32"] = deepspeed_fn(fp32_set(n, gen))
+        except Exception as exc:  # reported, not hidden
+            result["deepspeed_error"] = f"{type(exc).__name__}: {exc}"
+            print("DeepSpeedCPUAdam unavailable:", result["deepspeed_error"], flush=True)
+    medians = interleaved_medians(fns, rounds=args.rounds)
+    result["systems"] = {name: rate(n, s) for name, s in medians.items()}
+    for name, r in result["systems"].items():
+        print(f"  {name:28s} {r['median_s'] * 1e3:8.1f} ms  {r['gparam_s']:6.2f} Gparam/s  {r['gb_s']:6.1f} GB/s")
+
+    sysr = result["systems"]
+    ceiling = max(sysr["probe_bf16grad_bf16out"]["gb_s"], sysr["probe_fp32"]["gb_s"], sysr["torch_fused_fp32"]["gb_s"])
+    checks = {
+        "fp32_vs_torch_fused": sysr["twinflow_fp32"]["gparam_s"] / sysr["torch_fused_fp32"]["gparam_s"],
+        "bf16_variant_vs_ceiling": sysr["twinflow_bf16grad_bf16out"]["gb_s"] / ceiling,
+        "ceiling_gb_s": ceiling,
+    }
+    if "deepspeed_cpu_adam_fp32" in sysr:
+        checks["fp32_vs_deepspeed"] = sysr["twinflow_fp32"]["gparam_s"] / sysr["deepspeed_cpu_adam_fp32"]["gparam_s"]
+    result["ratios"] = checks
+    print("  ratios:", {k: round(v, 3) for k, v in checks.items()}, flush=True)
+
+    sweep = {}
+    for t in args.sweep:
+        m = interleaved_medians(
+            {
+                "twinflow_fp32": twinflow_fn(ours, t),
+                "torch_fused_fp32": torch_fused_fn(fused, t),
+                "twinflow_bf16grad_bf16out": twinflow_fn(bf16_set, t, out=bf16_out),
+            },
+            rounds=max(3, args.rounds // 2),
+            warmup=1,
+        )
+        sweep[t] = {name: rate(n, s) for name, s in m.items()}
+        print(f"  {t:2d} threads: " + "  ".join(f"{k} {v['gparam_s']:.2f}" for k, v in sweep[t].items()), flush=True)
+    result["thread_sweep"] = sweep
+    path = write_json(result, "bench_cpu_adam.json", args.out)
+    print("wrote", path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in next(iter(sweep.values())):
+            ax.plot(list(sweep), [sweep[t][name]["gparam_s"] for t in sweep], marker="o", label=name)
+        ax.set_xlabel("threads")
+        ax.set_ylabel("Gparam/s")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"CPU Adam, {n / 1e6:.0f}M params")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+// The Adam/AdamW update, written once over a vector type V. Included by each
+// ISA translation unit inside its own namespace, after `adam_span.h`,
+// `vec_scalar.h` and that ISA's vector header.
+//
+// Per element, with g converted to fp32 in registers:
+//   Adam  (L2):  g += wd * p
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g * g
+//   AdamW:       p *= 1 - lr * wd
+//   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+// and, if requested, out = round(p) to bf16/fp16 in the same pass.
+#pragma once
+
+template <class V, Body kBody, class G, class O>
+inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const AdamConsts& c) {
+  using reg = typename V::reg;
+  reg grad = V::load(g);
+  reg param = V::load(p);
+  reg m_new = V::load(m);
+  reg v_new = V::load(v);
+  if constexpr (kBody == Body::kProbe) {
+    // Same loads and stores, no Adam arithmetic: the bandwidth ceiling.
+    param = V::add(param, grad);
+    m_new = V::add(m_new, grad);
+    v_new = V::add(v_new, grad);
+  } else {
+    if (c.l2_decay != 0.0f) {  // skipped, not multiplied by 0: 0 * inf would be NaN
+      grad = V::fmadd(V::set1(c.l2_decay), param, grad);
+    }
+    m_new = V::fmadd(V::set1(c.beta1), m_new, V::mul(V::set1(c.one_minus_beta1), grad));
+    v_new = V::fmadd(V::set1(c.beta2), v_new, V::mul(V::set1(c.one_minus_beta2), V::mul(grad, grad)));
+    const reg denom = V::fmadd(V::sqrt(v_new), V::set1(c.inv_bc2_sqrt), V::set1(c.eps));
+    param = V::mul(param, V::set1(c.param_scale));
+    param = V::fmadd(V::set1(-c.step_size), V::div(m_new, denom), param);
+  }
+  V::store(p, param);
+  V::store(m, m_new);
+  V::store(v, v_new);
+  V::store(out, param);
+}
+
+template <class V, Body kBody, class G, class O>
+void step_range(const AdamSpan& s, int64_t begin, int64_t end) {
+  float* p = s.param;
+  const G* g = static_cast<const G*>(s.grad);
+  float* m = s.exp_avg;
+  float* v = s.exp_avg_sq;
+  O* out = static_cast<O*>(s.out);
+  const AdamConsts& c = *s.consts;
+  auto out_at = [out](int64_t i) {
+    if constexpr (std::is_same_v<O, no_out_t>) {
+      return out;  // never dereferenced, and may be null
+    } else {
+      return out + i;
+    }
+  };
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) {
+    step_lanes<V, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
+  }
+  for (; i < end; ++i) {
+    step_lanes<VecScalar, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
+  }
+}
+
+template <class V, Body kBody, class G>
+void dispatch_out(const AdamSpan& s, int64_t begin, int64_t end) {
+  switch (s.out_dtype) {
+    case Dtype::kBFloat16:
+      return step_range<V, kBody, G, bf16_t>(s, begin, end);
+    case Dtype::kFloat16:
+      return step_range<V, kBody, G, fp16_t>(s, begin, end);
+    default:
+      return step_range<V, kBody, G, no_out_t>(s, begin, end);
+  }
+}
+
+template <class V, Body kBody>
+void dispatch_grad(const AdamSpan& s, int64_t begin, int64_t end) {
+  switch (s.grad_dtype) {
+    case Dtype::kBFloat16:
+      return dispatch_out<V, kBody, bf16_t>(s, begin, end);
+    case Dtype::kFloat16:
+      return dispatch_out<V, kBody, fp16_t>(s, begin, end);
+    default:
+      return dispatch_out<V, kBody, float>(s, begin, end);
+  }
+}
+
+template <class V>
+void run_span_impl(const AdamSpan& s, int64_t begin, int64_t end, Body body) {
+  if (body == Body::kProbe) {
+    dispatch_grad<V, Body::kProbe>(s, begin, end);
+  } else {
+    dispatch_grad<V, Body::kAdam>(s, begin, end);
+  }
+}

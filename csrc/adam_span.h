@@ -1,0 +1,66 @@
+// Plain data shared by the dispatcher and the per-ISA kernels. No functions
+// live here: each ISA translation unit compiles its own code under its own
+// target flags, so nothing built for AVX-512 can leak into the scalar path.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace twinflow {
+
+// Storage types of a gradient or of the optional low-precision weight copy.
+enum class Dtype : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+// 16-bit storage, distinct types so the kernel picks the conversion by overload.
+struct bf16_t {
+  uint16_t bits;
+};
+struct fp16_t {
+  uint16_t bits;
+};
+// Tag for "no low-precision copy requested".
+struct no_out_t {};
+
+// Per-tensor constants, derived once per call from lr/betas/step.
+struct AdamConsts {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float step_size;     // lr / bias_correction1
+  float inv_bc2_sqrt;  // 1 / sqrt(bias_correction2)
+  float l2_decay;      // Adam (L2) mode: grad += l2_decay * param
+  float param_scale;   // AdamW mode: param *= param_scale (1 - lr * wd)
+};
+
+// One contiguous run of elements of one tensor.
+struct AdamSpan {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* out;  // low-precision copy of the updated param, or nullptr
+  int64_t numel;
+  Dtype grad_dtype;
+  Dtype out_dtype;  // kNone when out is nullptr
+  const AdamConsts* consts;
+};
+
+// Which kernel body runs: the Adam update, or a bandwidth probe that moves
+// the same bytes with trivial arithmetic (to measure the memory ceiling).
+enum class Body : int32_t { kAdam = 0, kProbe = 1 };
+
+// One entry point per instruction set, each in its own translation unit.
+// Processes elements [begin, end) of the span.
+namespace avx512 {
+void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
+}
+namespace avx2 {
+void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
+}
+namespace scalar {
+void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
+}
+
+}  // namespace twinflow

@@ -1,0 +1,221 @@
+// Operator registration, argument checks, instruction-set dispatch and the one
+// parallel region that walks every element of every tensor in a call.
+#include <ATen/ATen.h>
+#include <cpuid.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "adam_span.h"
+
+namespace twinflow {
+namespace {
+
+enum Simd : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Best path this CPU and OS support (the builtins check OS register saving).
+int64_t best_simd() {
+  __builtin_cpu_init();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return kAvx512;
+  }
+  return avx2 ? kAvx2 : kScalar;
+}
+
+using RunSpanFn = void (*)(const AdamSpan&, int64_t, int64_t, Body);
+
+RunSpanFn kernel_for(int64_t simd) {
+  switch (simd) {
+    case kAvx512:
+      return avx512::run_span;
+    case kAvx2:
+      return avx2::run_span;
+    default:
+      return scalar::run_span;
+  }
+}
+
+Dtype dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return Dtype::kFloat32;
+    case at::kBFloat16:
+      return Dtype::kBFloat16;
+    case at::kHalf:
+      return Dtype::kFloat16;
+    default:
+      return Dtype::kNone;
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* list, size_t i, const at::Tensor& param) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), list, "[", i, "] is on ", t.device(),
+                    "; the CPU Adam kernel needs CPU tensors (move it with .cpu())");
+  TORCH_CHECK_VALUE(t.is_contiguous(), list, "[", i, "] is not contiguous; pass .contiguous() tensors");
+  TORCH_CHECK_VALUE(t.numel() == param.numel(), list, "[", i, "] has ", t.numel(), " elements but params[", i,
+                    "] has ", param.numel());
+}
+
+// Validates everything before any tensor is touched, so a bad call modifies nothing.
+void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
+                double weight_decay, int64_t simd) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+                    "adam_step_: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length; got ", n,
+                    ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", steps.size());
+  TORCH_CHECK_VALUE(out_copies.empty() || out_copies.size() == n,
+                    "adam_step_: out_copies must be empty or have one tensor per param; got ", out_copies.size(),
+                    " for ", n, " params");
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0.0, "adam_step_: lr must be a finite number >= 0, got ", lr);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "adam_step_: eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "adam_step_: beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "adam_step_: beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0.0,
+                    "adam_step_: weight_decay must be a finite number >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(simd >= kScalar && simd <= best_simd(), "adam_step_: simd level ", simd,
+                    " is not supported by this CPU (best is ", best_simd(), ": 0 scalar, 1 avx2, 2 avx512)");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat, "params[", i, "] has dtype ", p.scalar_type(),
+                     "; the kernel updates float32 master weights");
+    check_tensor(p, "params", i, p);
+    TORCH_CHECK_TYPE(dtype_of(grads[i]) != Dtype::kNone, "grads[", i, "] has dtype ", grads[i].scalar_type(),
+                     "; expected float32, bfloat16 or float16");
+    check_tensor(grads[i], "grads", i, p);
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == at::kFloat, "exp_avgs[", i, "] has dtype ",
+                     exp_avgs[i].scalar_type(), "; expected float32");
+    check_tensor(exp_avgs[i], "exp_avgs", i, p);
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kFloat, "exp_avg_sqs[", i, "] has dtype ",
+                     exp_avg_sqs[i].scalar_type(), "; expected float32");
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, p);
+    TORCH_CHECK_VALUE(steps[i] >= 1, "steps[", i, "] must be >= 1 (the step count after this update), got ",
+                      steps[i]);
+    if (!out_copies.empty()) {
+      const Dtype od = dtype_of(out_copies[i]);
+      TORCH_CHECK_TYPE(od == Dtype::kBFloat16 || od == Dtype::kFloat16, "out_copies[", i, "] has dtype ",
+                       out_copies[i].scalar_type(), "; expected bfloat16 or float16");
+      check_tensor(out_copies[i], "out_copies", i, p);
+    }
+  }
+}
+
+AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                       bool adamw_mode, bool bias_correction) {
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+  AdamConsts c;
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.step_size = static_cast<float>(lr / bc1);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.l2_decay = adamw_mode ? 0.0f : static_cast<float>(weight_decay);
+  c.param_scale = adamw_mode ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  return c;
+}
+
+// Runs `body` over all elements of all spans in one parallel region. Each
+// thread takes one contiguous slice of the concatenated element range (cache
+// line aligned), so memory streams sequentially and small tensors cost no
+// extra fork/join.
+void run_parallel(const std::vector<AdamSpan>& spans, int64_t num_threads, int64_t simd, Body body) {
+  std::vector<int64_t> offsets(spans.size() + 1, 0);
+  for (size_t i = 0; i < spans.size(); ++i) offsets[i + 1] = offsets[i] + spans[i].numel;
+  const int64_t total = offsets.back();
+  if (total == 0) return;
+  constexpr int64_t kMinPerThread = 1 << 15;  // below this, threads cost more than they save
+  constexpr int64_t kAlign = 64;               // elements: whole cache lines for fp32 and 16-bit data
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, (total + kMinPerThread - 1) / kMinPerThread));
+  const RunSpanFn run = kernel_for(simd);
+
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t nt = omp_get_num_threads();
+    auto bound = [&](int64_t k) { return std::min(total, (total * k / nt + kAlign - 1) / kAlign * kAlign); };
+    const int64_t lo = bound(t);
+    const int64_t hi = t + 1 == nt ? total : bound(t + 1);
+    if (lo < hi) {
+      size_t s = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+      for (int64_t pos = lo; pos < hi; ++s) {
+        const int64_t begin = pos - offsets[s];
+        const int64_t end = std::min(hi, offsets[s + 1]) - offsets[s];
+        if (end > begin) run(spans[s], begin, end, body);
+        pos = offsets[s] + end;
+      }
+    }
+  }
+}
+
+void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                    at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, bool adamw_mode, bool bias_correction, int64_t num_threads, int64_t simd,
+                    Body body) {
+  check_args(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay, simd);
+  const size_t n = params.size();
+  std::vector<AdamConsts> consts;
+  consts.reserve(n);
+  std::vector<AdamSpan> spans;
+  spans.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    consts.push_back(make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const bool has_out = !out_copies.empty();
+    spans.push_back(AdamSpan{params[i].data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
+                             exp_avg_sqs[i].data_ptr<float>(), has_out ? out_copies[i].data_ptr() : nullptr,
+                             params[i].numel(), dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone,
+                             &consts[i]});
+  }
+  run_parallel(spans, num_threads > 0 ? num_threads : omp_get_max_threads(), simd, body);
+}
+
+void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+               at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw_mode, bool bias_correction, int64_t num_threads, int64_t simd) {
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay,
+                 adamw_mode, bias_correction, num_threads, simd, Body::kAdam);
+}
+
+// Same memory traffic as adam_step (reads p, g, m, v; writes p, m, v, out),
+// no Adam arithmetic: what the memory system allows for this access pattern.
+void bandwidth_probe(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList out_copies, int64_t num_threads, int64_t simd) {
+  std::vector<int64_t> steps(params.size(), 1);
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true, true,
+                 num_threads, simd, Body::kProbe);
+}
+
+int64_t cpu_simd_level() { return best_simd(); }
+
+}  // namespace
+
+TORCH_LIBRARY(twinflow, m) {
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] out_copies, int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, bool bias_correction, int num_threads, int simd) -> ()");
+  m.def(
+      "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] out_copies, int num_threads, int simd) -> ()");
+  m.def("cpu_simd_level() -> int", &cpu_simd_level);
+}
+
+// Registered for every backend so that a CUDA tensor reaches check_args and gets
+// a clear ValueError instead of a missing-kernel error.
+TORCH_LIBRARY_IMPL(twinflow, CompositeExplicitAutograd, m) {
+  m.impl("adam_step_", &adam_step);
+  m.impl("bandwidth_probe_", &bandwidth_probe);
+}
+
+}  // namespace twinflow

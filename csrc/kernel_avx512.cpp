@@ -1,0 +1,32 @@
+// AVX-512 path. Everything below the pragma is compiled for AVX-512 F/BW/VL + FMA and
+// lives in its own namespace; the dispatcher calls it only on CPUs that have them.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "adam_span.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+
+namespace twinflow {
+namespace avx512 {
+#include "vec_scalar.h"
+#include "vec_avx512.h"
+#include "adam_kernel.h"
+
+void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body) {
+  run_span_impl<VecAvx512>(span, begin, end, body);
+}
+}  // namespace avx512
+}  // namespace twinflow
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

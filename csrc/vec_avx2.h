@@ -1,0 +1,41 @@
+// Eight float lanes: AVX2 + FMA + F16C.
+#pragma once
+
+#include <immintrin.h>
+
+struct VecAvx2 {
+  using reg = __m256;
+  static constexpr int kWidth = 8;
+
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  static reg sqrt(reg a) { return _mm256_sqrt_ps(a); }
+
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const bf16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static reg load(const fp16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static void store(no_out_t*, reg) {}
+  static void store(bf16_t* p, reg x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
+    // Pack 8 x u32 (all <= 0xFFFF) into 8 x u16; packus works per 128-bit lane.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static void store(fp16_t* p, reg x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};

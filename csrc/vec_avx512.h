@@ -1,0 +1,39 @@
+// Sixteen float lanes: AVX-512 F/BW/VL + FMA.
+#pragma once
+
+#include <immintrin.h>
+
+struct VecAvx512 {
+  using reg = __m512;
+  static constexpr int kWidth = 16;
+
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
+  static reg sqrt(reg a) { return _mm512_sqrt_ps(a); }
+
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const bf16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static reg load(const fp16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static void store(no_out_t*, reg) {}
+  static void store(bf16_t* p, reg x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i out = _mm512_mask_mov_epi32(r, is_nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(out));
+  }
+  static void store(fp16_t* p, reg x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};

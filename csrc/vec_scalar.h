@@ -1,0 +1,88 @@
+// One-lane "vector": the scalar path, and the tail of every vector path.
+// Included inside an ISA namespace, so each translation unit owns its copy.
+#pragma once
+
+struct VecScalar {
+  using reg = float;
+  static constexpr int kWidth = 1;
+
+  static reg set1(float x) { return x; }
+  static reg add(reg a, reg b) { return a + b; }
+  static reg mul(reg a, reg b) { return a * b; }
+  // Fused where the path has FMA, so a vector path's scalar tail rounds exactly
+  // like its vector lanes and results do not depend on the thread split.
+  static reg fmadd(reg a, reg b, reg c) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+  }
+  static reg div(reg a, reg b) { return a / b; }
+  static reg sqrt(reg a) { return __builtin_sqrtf(a); }
+
+  static uint32_t bits_of(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, sizeof(u));
+    return u;
+  }
+  static float float_of(uint32_t u) {
+    float x;
+    __builtin_memcpy(&x, &u, sizeof(x));
+    return x;
+  }
+
+  static reg load(const float* p) { return *p; }
+  static reg load(const bf16_t* p) { return float_of(static_cast<uint32_t>(p->bits) << 16); }
+  static reg load(const fp16_t* p) {
+    // IEEE half -> single, exact for every input (subnormals, inf, NaN).
+    const uint32_t h = p->bits;
+    const uint32_t sign = (h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t mant = h & 0x3FFu;
+    if (exp == 0x1Fu) return float_of(sign | 0x7F800000u | (mant << 13));
+    if (exp != 0) return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
+    if (mant == 0) return float_of(sign);
+    // Subnormal half: value = mant * 2^-24, exactly representable in float.
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return float_of(sign | bits_of(mag));
+  }
+
+  static void store(float* p, reg x) { *p = x; }
+  static void store(no_out_t*, reg) {}
+  static void store(bf16_t* p, reg x) {
+    // Round to nearest even; NaN stays a quiet NaN (as torch does).
+    const uint32_t u = bits_of(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+      p->bits = 0x7FC0u;
+      return;
+    }
+    p->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+  static void store(fp16_t* p, reg x) {
+    // Single -> half, round to nearest even, overflow to inf, NaN quiet.
+    const uint32_t u = bits_of(x);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t abs = u & 0x7FFFFFFFu;
+    uint32_t h;
+    if (abs > 0x7F800000u) {
+      h = 0x7E00u;
+    } else if (abs >= 0x477FF000u) {  // rounds to >= 65520: inf
+      h = 0x7C00u;
+    } else if (abs >= 0x38800000u) {  // normal half range
+      const uint32_t rounded = abs + 0xFFFu + ((abs >> 13) & 1u);
+      h = (rounded - 0x38000000u) >> 13;
+    } else if (abs > 0x33000000u) {  // subnormal half (above half of 2^-24)
+      const uint32_t e = abs >> 23;
+      const uint32_t m = (abs & 0x7FFFFFu) | 0x800000u;
+      const uint32_t shift = 126u - e;  // 14 + (113 - e) - 1
+      const uint32_t keep = m >> shift;
+      const uint32_t rem = m & ((1u << shift) - 1u);
+      const uint32_t halfway = 1u << (shift - 1u);
+      h = keep + ((rem > halfway || (rem == halfway && (keep & 1u))) ? 1u : 0u);
+    } else {
+      h = 0;  // underflows to (signed) zero; exactly half of 2^-24 ties to even 0
+    }
+    p->bits = static_cast<uint16_t>(sign | h);
+  }
+};

@@ -1,0 +1,44 @@
+"""twinflow's build. The C++ kernel is compiled on first use (JIT, cached);
+set TWINFLOW_BUILD_EXT=1 to compile it here instead, which needs torch in the
+build environment: `TWINFLOW_BUILD_EXT=1 pip install --no-build-isolation .`
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+KERNEL_SOURCES = ["csrc/cpu_adam.cpp", "csrc/kernel_scalar.cpp", "csrc/kernel_avx2.cpp", "csrc/kernel_avx512.cpp"]
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("TWINFLOW_BUILD_EXT") == "1":
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    ext_modules = [
+        CppExtension(
+            "twinflow._C",
+            KERNEL_SOURCES,
+            extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+setup(
+    name="twinflow",
+    version="0.1.0",
+    description="Adam with a configurable share of the optimizer step on the CPU (Twin-Flow offload)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["twinflow", "twinflow.*"]),
+    # torch is deliberately unpinned: install the build for your machine first
+    # (CPU: `pip install torch==2.13.0`), and pip keeps it.
+    install_requires=["torch>=2.4", "numpy", "ninja"],
+    extras_require={
+        "test": ["pytest>=8", "ruff==0.17.6"],
+        "examples": ["tqdm", "transformers"],
+        "compare": ["deepspeed"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,355 @@
+"""The C++ kernel, on every SIMD path, against torch.optim and a float64 reference."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.reference import adam_reference
+from twinflow import ops
+
+SIZES = [1, 7, 17, 1_000_003]  # none a multiple of a vector width
+STEPS = 20
+
+
+def assert_close_1e6(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within 1e-6 relative: element-wise (atol 1e-6 for unit-scale values near 0) and in norm."""
+    expected = expected.to(actual.dtype)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    assert ((actual - expected).norm() / expected.norm()).item() < 1e-6
+
+
+def random_set(sizes: list[int], gen: torch.Generator) -> dict[str, list[torch.Tensor]]:
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    return {
+        "params": params,
+        "exp_avgs": [torch.zeros(n) for n in sizes],
+        "exp_avg_sqs": [torch.zeros(n) for n in sizes],
+    }
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fp32_matches_torch(simd: str, adamw_mode: bool, weight_decay: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = random_set(SIZES, gen)
+    ref_params = [p.clone().requires_grad_() for p in state["params"]]
+    opt_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref_opt = opt_cls(ref_params, lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=weight_decay)
+    for step in range(1, STEPS + 1):
+        grads = [torch.randn(n, generator=gen) for n in SIZES]
+        for rp, g in zip(ref_params, grads):
+            rp.grad = g.clone()
+        ref_opt.step()
+        ops.adam_step_(
+            state["params"],
+            grads,
+            state["exp_avgs"],
+            state["exp_avg_sqs"],
+            [step] * len(SIZES),
+            lr=3e-3,
+            beta1=0.8,
+            beta2=0.99,
+            eps=1e-7,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            num_threads=3,  # an odd split: thread boundaries fall inside tensors
+            simd=simd,
+        )
+    for p, rp in zip(state["params"], ref_params):
+        assert_close_1e6(p, rp.detach())
+    for p, rp in zip(state["exp_avg_sqs"], ref_params):
+        assert_close_1e6(p, ref_opt.state[rp]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+def test_low_precision_grads_and_output(simd: str, adamw_mode: bool, grad_dtype, out_dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    sizes = [7, 17, 100_003]
+    state = random_set(sizes, gen)
+    start = [p.clone() for p in state["params"]]
+    history = [[] for _ in sizes]
+    outs = [torch.full((n,), float("nan"), dtype=out_dtype) for n in sizes] if out_dtype else None
+    for step in range(1, STEPS + 1):
+        grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
+        for h, g in zip(history, grads):
+            h.append(g.float())  # the reference sees the same, upcast gradients
+        ops.adam_step_(
+            state["params"],
+            grads,
+            state["exp_avgs"],
+            state["exp_avg_sqs"],
+            [step] * len(sizes),
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.05,
+            adamw_mode=adamw_mode,
+            out_copies=outs,
+            simd=simd,
+        )
+    for i, p in enumerate(state["params"]):
+        expected = adam_reference(
+            start[i],
+            history[i],
+            lr=1e-2,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.05,
+            adamw_mode=adamw_mode,
+            bias_correction=True,
+        )
+        assert_close_1e6(p, expected)
+        if outs is not None:
+            assert torch.equal(outs[i], p.to(out_dtype)), "low-precision copy is not round(fp32 result)"
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_without_bias_correction(simd: str, adamw_mode: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = random_set(SIZES, gen)
+    start = [p.clone() for p in state["params"]]
+    history = [[torch.randn(n, generator=gen) for _ in range(STEPS)] for n in SIZES]
+    for step in range(1, STEPS + 1):
+        ops.adam_step_(
+            state["params"],
+            [h[step - 1] for h in history],
+            state["exp_avgs"],
+            state["exp_avg_sqs"],
+            [step] * len(SIZES),
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            adamw_mode=adamw_mode,
+            bias_correction=False,
+            simd=simd,
+        )
+    for p, s, h in zip(state["params"], start, history):
+        expected = adam_reference(
+            s,
+            h,
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.1,
+            adamw_mode=adamw_mode,
+            bias_correction=False,
+        )
+        assert_close_1e6(p, expected)
+
+
+def test_per_tensor_step_counts(simd: str) -> None:
+    """Tensors at different step counts (after a resume) get their own bias correction."""
+    gen = torch.Generator().manual_seed(4)
+    sizes = [33, 65]
+    state = random_set(sizes, gen)
+    state["exp_avgs"] = [torch.rand(n, generator=gen) for n in sizes]
+    state["exp_avg_sqs"] = [torch.rand(n, generator=gen) for n in sizes]
+    refs = [p.clone().requires_grad_() for p in state["params"]]
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    for i, (r, g) in enumerate(zip(refs, grads)):
+        r.grad = g.clone()
+        ref_opt.state[r] = {
+            "step": torch.tensor(float(3 + 10 * i)),
+            "exp_avg": state["exp_avgs"][i].clone(),
+            "exp_avg_sq": state["exp_avg_sqs"][i].clone(),
+        }
+    ref_opt.step()
+    ops.adam_step_(
+        state["params"], grads, state["exp_avgs"], state["exp_avg_sqs"], [4, 14],
+        lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, simd=simd,
+    )  # fmt: skip
+    for p, r in zip(state["params"], refs):
+        assert_close_1e6(p, r.detach())
+
+
+def test_thread_count_does_not_change_results(simd: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    sizes = [5, 70_001, 3, 131_071]
+    base = random_set(sizes, gen)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in sizes]
+    results = []
+    for threads in (1, 2, 3, 7):
+        state = {k: [t.clone() for t in v] for k, v in base.items()}
+        outs = [torch.empty(n, dtype=torch.float16) for n in sizes]
+        ops.adam_step_(
+            state["params"], grads, state["exp_avgs"], state["exp_avg_sqs"], [1] * len(sizes),
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, out_copies=outs, num_threads=threads, simd=simd,
+        )  # fmt: skip
+        results.append(torch.cat(state["params"] + [o.float() for o in outs]))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+def edge_values(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values that stress rounding: subnormals, ties, near-overflow, inf, NaN, and random ones."""
+    info = torch.finfo(dtype)
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.max, -info.max, info.tiny, info.tiny / 3,
+         info.max * 1.001, 65519.0, 65520.0, 2.0**-25, 2.0**-24 * 1.5, 2.0**-24 * 2.5, 1.0 + 2.0**-11, 1.0 + 2.0**-8]
+    )  # fmt: skip
+    scales = torch.logspace(-45, 38, 4000, base=2.0) if dtype == torch.float16 else torch.logspace(-130, 127, 4000, 2)
+    random = torch.randn(4000, generator=gen) * scales
+    # Exact ties between two neighbouring low-precision values.
+    low = torch.randn(2000, generator=gen).to(dtype)
+    ties = (low.float() + torch.nextafter(low, torch.tensor(float("inf"), dtype=dtype)).float()) / 2
+    return torch.cat([specials, random, ties[torch.isfinite(ties)]])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_output_rounding_edge_cases(simd: str, out_dtype) -> None:
+    """With lr=0 the update leaves p unchanged, so the copy must equal torch's own rounding of p."""
+    gen = torch.Generator().manual_seed(6)
+    p = edge_values(out_dtype, gen)
+    n = p.numel()
+    out = torch.empty(n, dtype=out_dtype)
+    ops.adam_step_(
+        [p.clone()], [torch.rand(n, generator=gen) + 0.5], [torch.zeros(n)], [torch.zeros(n)], [1],
+        lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, out_copies=[out], simd=simd,
+    )  # fmt: skip
+    expected = p.to(out_dtype)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_gradient_decoding_every_bit_pattern(simd: str, grad_dtype) -> None:
+    """With beta1=0 the first moment becomes the decoded gradient exactly: check all 65536 patterns."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    grad = bits.view(grad_dtype)
+    n = grad.numel()
+    m = torch.zeros(n)
+    ops.adam_step_(
+        [torch.randn(n)], [grad], [m], [torch.zeros(n)], [1],
+        lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, simd=simd,
+    )  # fmt: skip
+    torch.testing.assert_close(m, grad.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def good_args(n: int = 40) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    return dict(
+        params=[torch.randn(n, generator=gen), torch.randn(3, generator=gen)],
+        grads=[torch.randn(n, generator=gen), torch.randn(3, generator=gen)],
+        exp_avgs=[torch.rand(n, generator=gen), torch.rand(3, generator=gen)],
+        exp_avg_sqs=[torch.rand(n, generator=gen), torch.rand(3, generator=gen)],
+        steps=[1, 1],
+    )
+
+
+BAD_CASES = {
+    "non-contiguous param": (
+        lambda a: a["params"].__setitem__(0, torch.randn(80)[::2]),
+        ValueError,
+        r"params\[0\] is not contiguous",
+    ),
+    "non-contiguous grad": (
+        lambda a: a["grads"].__setitem__(1, torch.randn(6)[::2]),
+        ValueError,
+        r"grads\[1\] is not contiguous",
+    ),
+    "size mismatch": (lambda a: a["exp_avgs"].__setitem__(1, torch.rand(4)), ValueError, r"exp_avgs\[1\] has 4"),
+    "float64 param": (lambda a: a["params"].__setitem__(1, torch.randn(3).double()), TypeError, r"params\[1\].*Double"),
+    "int grad": (lambda a: a["grads"].__setitem__(0, torch.ones(40, dtype=torch.int32)), TypeError, r"grads\[0\]"),
+    "fp16 state": (lambda a: a["exp_avg_sqs"].__setitem__(0, torch.rand(40).half()), TypeError, r"exp_avg_sqs\[0\]"),
+    "list length": (lambda a: a["grads"].pop(), ValueError, r"same length"),
+    "negative lr": (lambda a: a.update(lr=-1e-3), ValueError, r"lr must be"),
+    "negative eps": (lambda a: a.update(eps=-1e-8), ValueError, r"eps must be"),
+    "beta1 = 1": (lambda a: a.update(beta1=1.0), ValueError, r"beta1 must be in \[0, 1\)"),
+    "beta2 < 0": (lambda a: a.update(beta2=-0.1), ValueError, r"beta2 must be in \[0, 1\)"),
+    "step 0": (lambda a: a.update(steps=[1, 0]), ValueError, r"steps\[1\] must be >= 1"),
+    "fp32 out copy": (lambda a: a.update(out_copies=[torch.empty(40), torch.empty(3)]), TypeError, r"out_copies\[0\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_raises_and_modifies_nothing(case: str) -> None:
+    mutate, error, message = BAD_CASES[case]
+    args = good_args()
+    args.update(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    mutate(args)
+    tensors = args["params"] + args["grads"] + args["exp_avgs"] + args["exp_avg_sqs"]
+    before = snapshot(tensors)
+    params, grads, exp_avgs, exp_avg_sqs, steps = (
+        args.pop(k) for k in ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps")
+    )
+    with pytest.raises(error, match=message):
+        ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **args)
+    for b, t in zip(before, tensors):
+        assert torch.equal(b, t)
+
+
+@pytest.mark.cuda
+def test_cuda_tensor_is_refused() -> None:
+    args = good_args()
+    args["exp_avgs"][1] = args["exp_avgs"][1].cuda()
+    tensors = args["params"] + args["grads"] + args["exp_avgs"] + args["exp_avg_sqs"]
+    before = snapshot(tensors)
+    with pytest.raises(ValueError, match=r"exp_avgs\[1\] is on cuda"):
+        ops.adam_step_(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    for b, t in zip(before, tensors):
+        assert torch.equal(b, t)
+
+
+def test_simd_env_var_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINFLOW_SIMD", "sse9")
+    with pytest.raises(ValueError, match=r"TWINFLOW_SIMD='sse9'.*expected one of"):
+        ops.resolve_simd()
+    monkeypatch.setenv("TWINFLOW_SIMD", "scalar")
+    assert ops.resolve_simd() == 0
+
+
+def test_gil_released_while_kernel_runs() -> None:
+    """A Python thread keeps running while one long kernel call is in flight."""
+    n = 12_000_000
+    tensors = [torch.randn(n) for _ in range(4)]
+    counter, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        start_count, start = counter[0], time.perf_counter()
+        time.sleep(0.05)  # the spinner's rate when it has the interpreter to itself
+        rate = (counter[0] - start_count) / (time.perf_counter() - start)
+        before, t0 = counter[0], time.perf_counter()
+        ops.adam_step_(tensors[:1], tensors[1:2], tensors[2:3], tensors[3:], [1],
+                       lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=1, simd="scalar")  # fmt: skip
+        elapsed, during = time.perf_counter() - t0, counter[0] - before
+    finally:
+        stop.set()
+        spinner.join()
+    assert elapsed > 0.02, "kernel call too short to tell"
+    # Holding the GIL would leave the spinner at ~0 iterations for the whole call.
+    assert during > 0.2 * rate * elapsed, (during, rate, elapsed)
+
+
+def test_opcheck() -> None:
+    gen = torch.Generator().manual_seed(8)
+    n = 37
+    args = (
+        [torch.randn(n, generator=gen)],
+        [torch.randn(n, generator=gen).bfloat16()],
+        [torch.rand(n, generator=gen)],
+        [torch.rand(n, generator=gen)],
+        [torch.empty(n, dtype=torch.bfloat16)],
+        [2],
+        1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 2, ops.resolve_simd(),
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.twinflow.adam_step_.default, args)

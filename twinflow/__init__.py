@@ -1,0 +1,8 @@
+"""twinflow: Adam with a configurable share of the optimizer step on the CPU."""
+
+from twinflow.cpu_adam import CPUAdam
+from twinflow.ops import BuildError
+
+__version__ = "0.1.0"
+
+__all__ = ["BuildError", "CPUAdam", "__version__"]

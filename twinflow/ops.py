@@ -1,0 +1,228 @@
+"""Builds or loads the C++ CPU Adam kernel and exposes it as typed functions.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` and
+ninja, and cached (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``).
+Setting ``TWINFLOW_BUILD_EXT=1`` while installing builds it ahead of time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sysconfig
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+SIMD_NAMES = {level: name for name, level in SIMD_LEVELS.items()}
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = ("cpu_adam.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avx512.cpp")
+_CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+_LOAD_LOCK = threading.Lock()
+_loaded = False
+
+
+class BuildError(RuntimeError):
+    """The C++ kernel could not be built; the message says what is missing."""
+
+
+def _missing_build_tools() -> list[str]:
+    problems = []
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        problems.append(
+            f"C++ compiler {cxx!r} not found: install one (Debian/Ubuntu: `apt-get install g++`) or point CXX at it"
+        )
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the PyPI package puts a binary on PATH)
+        except ImportError:
+            problems.append("ninja not found: `pip install ninja`")
+    include = sysconfig.get_paths().get("include", "")
+    if not (Path(include) / "Python.h").exists():
+        problems.append(
+            f"Python headers not found in {include!r}: install them (Debian/Ubuntu: `apt-get install python3-dev`)"
+        )
+    missing_sources = [s for s in _SOURCES if not (_CSRC / s).exists()]
+    if missing_sources:
+        problems.append(
+            f"kernel sources {missing_sources} not found under {_CSRC}: install twinflow from a source "
+            "checkout (`pip install -e .`) or build it ahead of time with TWINFLOW_BUILD_EXT=1"
+        )
+    return problems
+
+
+def _load_prebuilt() -> bool:
+    """Loads the library built by setup.py (TWINFLOW_BUILD_EXT=1), if present."""
+    for path in sorted(Path(__file__).resolve().parent.glob("_C*.so")):
+        torch.ops.load_library(str(path))
+        log.debug("loaded prebuilt kernel %s", path)
+        return True
+    return False
+
+
+def _build_and_load() -> None:
+    problems = _missing_build_tools()
+    if problems:
+        raise BuildError("cannot build the twinflow CPU Adam kernel:\n  - " + "\n  - ".join(problems))
+    from torch.utils import cpp_extension
+
+    log.info("building the twinflow CPU Adam kernel (first use only; cached afterwards)")
+    try:
+        cpp_extension.load(
+            name="twinflow_cpu_adam",
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=os.environ.get("TWINFLOW_VERBOSE_BUILD") == "1",
+        )
+    except Exception as exc:  # the compiler's own message is in exc
+        raise BuildError(
+            f"building the twinflow CPU Adam kernel failed: {exc}\n"
+            "Set TWINFLOW_VERBOSE_BUILD=1 to see the compiler's output. The build needs a C++17 "
+            "compiler with OpenMP (g++ >= 9), ninja, and the Python headers."
+        ) from exc
+
+
+def load() -> None:
+    """Makes ``torch.ops.twinflow.*`` available, building the kernel if needed."""
+    global _loaded
+    if _loaded:
+        return
+    with _LOAD_LOCK:
+        if _loaded:
+            return
+        if os.environ.get("TWINFLOW_FORCE_JIT") == "1" or not _load_prebuilt():
+            _build_and_load()
+        _register_fakes()
+        _loaded = True
+
+
+def cpu_simd_level() -> int:
+    """The best SIMD level this CPU supports: 0 scalar, 1 AVX2, 2 AVX-512."""
+    load()
+    return int(torch.ops.twinflow.cpu_simd_level())
+
+
+def resolve_simd(simd: str | None = None) -> int:
+    """The SIMD level to run: ``simd``, else ``TWINFLOW_SIMD``, else the best available.
+
+    Raises ValueError for an unknown name or a level this CPU lacks.
+    """
+    name = simd if simd is not None else os.environ.get("TWINFLOW_SIMD", "").strip().lower()
+    best = cpu_simd_level()
+    if not name or name == "auto":
+        return best
+    if name not in SIMD_LEVELS:
+        raise ValueError(
+            f"TWINFLOW_SIMD={name!r} is not a known kernel path; expected one of {sorted(SIMD_LEVELS)} or 'auto'"
+        )
+    if SIMD_LEVELS[name] > best:
+        raise ValueError(
+            f"TWINFLOW_SIMD={name!r} is not supported by this CPU (best available: {SIMD_NAMES[best]!r}); "
+            "unset TWINFLOW_SIMD or choose a lower path"
+        )
+    return SIMD_LEVELS[name]
+
+
+def default_num_threads() -> int:
+    """Threads the kernel uses unless told otherwise: torch's intra-op thread count."""
+    return torch.get_num_threads()
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    out_copies: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+    simd: str | None = None,
+) -> None:
+    """One Adam/AdamW step over many CPU tensors in one parallel region, in place.
+
+    ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are float32; ``grads`` float32,
+    bfloat16 or float16. ``steps[i]`` is tensor i's step count *after* this
+    update (1 on the first step). If ``out_copies`` is given, the updated
+    params are also written, rounded, into those bfloat16/float16 tensors.
+    Every argument is checked before anything is written. The GIL is released
+    while the kernel runs.
+    """
+    if len(params) == 0:
+        return
+    load()
+    torch.ops.twinflow.adam_step_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(out_copies) if out_copies is not None else [],
+        [int(s) for s in steps],
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw_mode),
+        bool(bias_correction),
+        int(num_threads) if num_threads else default_num_threads(),
+        resolve_simd(simd),
+    )
+
+
+def bandwidth_probe_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    out_copies: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+    simd: str | None = None,
+) -> None:
+    """Moves the same bytes as :func:`adam_step_` with trivial arithmetic.
+
+    Its throughput is the memory-bandwidth ceiling for the Adam access pattern
+    on this host. It overwrites its arguments with meaningless values.
+    """
+    if len(params) == 0:
+        return
+    load()
+    torch.ops.twinflow.bandwidth_probe_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(out_copies) if out_copies is not None else [],
+        int(num_threads) if num_threads else default_num_threads(),
+        resolve_simd(simd),
+    )
+
+
+def _register_fakes() -> None:
+    """Shape functions so the ops trace under FakeTensor / torch.compile."""
+
+    @torch.library.register_fake("twinflow::adam_step_")
+    def _adam_step_fake(*args, **kwargs) -> None:
+        return None
+
+    @torch.library.register_fake("twinflow::bandwidth_probe_")
+    def _probe_fake(*args, **kwargs) -> None:
+        return None
