@@ -18,7 +18,7 @@ if os.environ.get("TWINFLOW_BUILD_EXT") == "1":
             "twinflow._C",
             KERNEL_SOURCES,
             extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp", "-lstdc++"],
         )
     ]
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}

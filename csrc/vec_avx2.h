@@ -23,6 +23,9 @@ struct VecAvx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
+  static void fence_streams() { _mm_sfence(); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {
@@ -33,9 +36,18 @@ struct VecAvx2 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
     // Pack 8 x u32 (all <= 0xFFFF) into 8 x u16; packus works per 128-bit lane.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    store_bits(p, _mm256_castsi256_si128(packed));
   }
-  static void store(fp16_t* p, reg x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  static void store(fp16_t* p, reg x) { store_bits(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+  // See VecAvx512::store_bits.
+  static constexpr int kOutAlign = 16;
+  template <class T>
+  static void store_bits(T* p, __m128i bits) {
+    if ((reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits);
+    }
   }
 };

@@ -23,6 +23,9 @@ struct VecAvx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 
+  static void fence_streams() { _mm_sfence(); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {
@@ -31,9 +34,19 @@ struct VecAvx512 {
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512i out = _mm512_mask_mov_epi32(r, is_nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(out));
+    store_bits(p, _mm512_cvtepi32_epi16(out));
   }
-  static void store(fp16_t* p, reg x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  static void store(fp16_t* p, reg x) { store_bits(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
+  // The low-precision copy is written and never read here: where it is
+  // aligned, a streaming store skips the read-for-ownership of its lines.
+  static constexpr int kOutAlign = 32;
+  template <class T>
+  static void store_bits(T* p, __m256i bits) {
+    if ((reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+    }
   }
 };

@@ -48,6 +48,9 @@ struct VecScalar {
     return float_of(sign | bits_of(mag));
   }
 
+  static void fence_streams() {}
+  static void prefetch(const void*) {}
+
   static void store(float* p, reg x) { *p = x; }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {

@@ -33,9 +33,14 @@ class BuildError(RuntimeError):
     """The C++ kernel could not be built; the message says what is missing."""
 
 
+def _compiler() -> str:
+    """CXX if set, else g++ where present (else c++)."""
+    return os.environ.get("CXX") or ("g++" if shutil.which("g++") else "c++")
+
+
 def _missing_build_tools() -> list[str]:
     problems = []
-    cxx = os.environ.get("CXX", "c++")
+    cxx = _compiler()
     if shutil.which(cxx) is None:
         problems.append(
             f"C++ compiler {cxx!r} not found: install one (Debian/Ubuntu: `apt-get install g++`) or point CXX at it"
@@ -75,12 +80,17 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
     log.info("building the twinflow CPU Adam kernel (first use only; cached afterwards)")
+    # Seen on one host: built through the `c++` name, the library came out
+    # without libstdc++ and every C++ exception (each argument check) crashed
+    # the process. Naming g++ and libstdc++ explicitly avoids that.
+    saved_cxx = os.environ.get("CXX")
+    os.environ["CXX"] = _compiler()
     try:
         cpp_extension.load(
             name="twinflow_cpu_adam",
             sources=[str(_CSRC / s) for s in _SOURCES],
             extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=["-fopenmp", "-lstdc++"],
             is_python_module=False,
             verbose=os.environ.get("TWINFLOW_VERBOSE_BUILD") == "1",
         )
@@ -90,6 +100,11 @@ def _build_and_load() -> None:
             "Set TWINFLOW_VERBOSE_BUILD=1 to see the compiler's output. The build needs a C++17 "
             "compiler with OpenMP (g++ >= 9), ninja, and the Python headers."
         ) from exc
+    finally:
+        if saved_cxx is None:
+            del os.environ["CXX"]
+        else:
+            os.environ["CXX"] = saved_cxx
 
 
 def load() -> None:
