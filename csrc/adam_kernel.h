@@ -83,6 +83,8 @@ void dispatch_out(const AdamSpan& s, int64_t begin, int64_t end) {
       return step_range<V, kBody, G, bf16_t>(s, begin, end);
     case Dtype::kFloat16:
       return step_range<V, kBody, G, fp16_t>(s, begin, end);
+    case Dtype::kFloat32:  // a staging copy for float32 models
+      return step_range<V, kBody, G, float>(s, begin, end);
     default:
       return step_range<V, kBody, G, no_out_t>(s, begin, end);
   }

@@ -100,8 +100,8 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
                       steps[i]);
     if (!out_copies.empty()) {
       const Dtype od = dtype_of(out_copies[i]);
-      TORCH_CHECK_TYPE(od == Dtype::kBFloat16 || od == Dtype::kFloat16, "out_copies[", i, "] has dtype ",
-                       out_copies[i].scalar_type(), "; expected bfloat16 or float16");
+      TORCH_CHECK_TYPE(od != Dtype::kNone, "out_copies[", i, "] has dtype ", out_copies[i].scalar_type(),
+                       "; expected float32, bfloat16 or float16");
       check_tensor(out_copies[i], "out_copies", i, p);
     }
   }

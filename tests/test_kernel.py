@@ -65,7 +65,7 @@ def test_fp32_matches_torch(simd: str, adamw_mode: bool, weight_decay: float) ->
 
 @pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
 def test_low_precision_grads_and_output(simd: str, adamw_mode: bool, grad_dtype, out_dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     sizes = [7, 17, 100_003]
@@ -270,7 +270,11 @@ BAD_CASES = {
     "beta1 = 1": (lambda a: a.update(beta1=1.0), ValueError, r"beta1 must be in \[0, 1\)"),
     "beta2 < 0": (lambda a: a.update(beta2=-0.1), ValueError, r"beta2 must be in \[0, 1\)"),
     "step 0": (lambda a: a.update(steps=[1, 0]), ValueError, r"steps\[1\] must be >= 1"),
-    "fp32 out copy": (lambda a: a.update(out_copies=[torch.empty(40), torch.empty(3)]), TypeError, r"out_copies\[0\]"),
+    "int out copy": (
+        lambda a: a.update(out_copies=[torch.empty(40, dtype=torch.int16), torch.empty(3)]),
+        TypeError,
+        r"out_copies\[0\]",
+    ),
 }
 
 

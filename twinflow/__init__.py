@@ -2,7 +2,8 @@
 
 from twinflow.cpu_adam import CPUAdam
 from twinflow.ops import BuildError
+from twinflow.twin_flow_adam import TwinFlowAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BuildError", "CPUAdam", "__version__"]
+__all__ = ["BuildError", "CPUAdam", "TwinFlowAdam", "__version__"]

@@ -176,7 +176,8 @@ def adam_step_(
     ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are float32; ``grads`` float32,
     bfloat16 or float16. ``steps[i]`` is tensor i's step count *after* this
     update (1 on the first step). If ``out_copies`` is given, the updated
-    params are also written, rounded, into those bfloat16/float16 tensors.
+    params are also written, rounded, into those bfloat16/float16 (or float32)
+    tensors: the staging buffers that carry weights back to the GPU.
     Every argument is checked before anything is written. The GIL is released
     while the kernel runs.
     """

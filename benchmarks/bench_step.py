@@ -1,0 +1,170 @@
+"""Optimizer step alone, OPT-2.7B-sized bf16 parameters: TwinFlowAdam at several ratios, in one run.
+
+    python benchmarks/bench_step.py [--ratios 0 0.25 0.5 0.75 1] [--out FILE]
+
+For each ratio r it times, interleaved round by round:
+  - step(r): TwinFlowAdam.step() end to end (host and device synchronised),
+  - cpu(r):  twinflow's kernel alone over the CPU part (bf16 gradients on the host, bf16 copy out),
+  - gpu(r):  the device side alone (fused Adam over the GPU part's fp32 masters),
+and checks step(r) <= 1.15 x max(cpu(r), gpu(r)). Reference: torch fused
+AdamW on the GPU over fp32 copies of all parameters (ratio 0's yardstick). It
+also measures the staging path alone (chunked, double-buffered D2H of the CPU
+part's gradients and H2D of its weights) in GB/s.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import machine_info, write_json  # noqa: E402
+from twinflow import TwinFlowAdam, ops  # noqa: E402
+
+
+def opt_shapes(layers: int = 32, hidden: int = 2560, ffn: int = 10240, vocab: int = 50272, positions: int = 2050):
+    """Parameter shapes of OPT-2.7B, in module order (2.65e9 parameters)."""
+    shapes = [(vocab, hidden), (positions, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden), (hidden,)] * 4  # q, k, v, out projections
+        shapes += [(hidden,), (hidden,)]  # self-attention layer norm
+        shapes += [(ffn, hidden), (ffn,), (hidden, ffn), (hidden,)]  # fc1, fc2
+        shapes += [(hidden,), (hidden,)]  # final layer norm of the block
+    shapes += [(hidden,), (hidden,)]
+    return shapes
+
+
+def sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def median_interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
+    for fn in fns.values():
+        for _ in range(warmup):
+            sync_time(fn)
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(sync_time(fn))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def staging_bandwidth(opt: TwinFlowAdam) -> dict:
+    """The transfer path alone: every CPU-part gradient down and every weight up, chunked, double-buffered."""
+    st = opt._staging
+    chunks = opt._plan_chunks(opt._cpu)
+    params = opt._params
+
+    def down() -> None:
+        st.start_step()
+        for k, chunk in enumerate(chunks):
+            buf = k % 2
+            st.grad_ready[buf].synchronize()
+            with st.d2h():
+                for pc in chunk:
+                    g = params[pc.state.seg.index].grad
+                    src = g.view(-1)[pc.state.seg.start + pc.a : pc.state.seg.start + pc.b]
+                    st.view(st.grad_bufs[buf], pc.grad_offset, pc.b - pc.a, g.dtype).copy_(src, non_blocking=True)
+                st.grad_ready[buf].record()
+        torch.cuda.current_stream().wait_stream(st.d2h_stream)
+
+    def up() -> None:
+        for k, chunk in enumerate(chunks):
+            buf = k % 2
+            st.upload_done[buf].synchronize()
+            with st.h2d():
+                for pc in chunk:
+                    p = params[pc.state.seg.index]
+                    dst = p.detach().view(-1)[pc.state.seg.start + pc.a : pc.state.seg.start + pc.b]
+                    dst.copy_(st.view(st.param_bufs[buf], pc.param_offset, pc.b - pc.a, p.dtype), non_blocking=True)
+                st.upload_done[buf].record()
+        st.finish_step()
+
+    nbytes = sum(st_.seg.numel for st_ in opt._cpu) * 2
+    t = median_interleaved({"d2h": down, "h2d": up}, rounds=5)
+    return {"bytes": nbytes, "d2h_gb_s": nbytes / t["d2h"] / 1e9, "h2d_gb_s": nbytes / t["h2d"] / 1e9}
+
+
+def measure_ratio(params: list[torch.nn.Parameter], ratio: float, chunk_bytes: int, rounds: int) -> dict:
+    opt = TwinFlowAdam(params, lr=1e-5, ratio=ratio, chunk_bytes=chunk_bytes)
+    cpu_n = opt.split_summary["cpu"]["elements"]
+    fns = {"step": opt.step}
+    if cpu_n:
+        # The same work as the CPU side, on host tensors alone: bf16 gradients in, bf16 copy out.
+        p, m, v = torch.randn(cpu_n), torch.zeros(cpu_n), torch.zeros(cpu_n)
+        g, o = torch.randn(cpu_n).bfloat16(), torch.empty(cpu_n, dtype=torch.bfloat16)
+        counter = [0]
+
+        def cpu_kernel() -> None:
+            counter[0] += 1
+            ops.adam_step_([p], [g], [m], [v], [counter[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
+                           out_copies=[o])  # fmt: skip
+
+        fns["cpu"] = cpu_kernel
+    if opt._dev:
+        fns["gpu"] = lambda: opt._step_device(opt._dev)
+    t = median_interleaved(fns, rounds=rounds)
+    bound = max(t.get("cpu", 0.0), t.get("gpu", 0.0))
+    entry = {
+        "step_s": t["step"],
+        "cpu_kernel_s": t.get("cpu", 0.0),
+        "gpu_side_s": t.get("gpu", 0.0),
+        "step_over_bound": t["step"] / bound,
+        "target_met": t["step"] <= 1.15 * bound,
+        "split": opt.split_summary,
+    }
+    if cpu_n:
+        entry["staging"] = staging_bandwidth(opt)
+    return entry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratios", type=float, nargs="*", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, default=32)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shapes = opt_shapes()
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    total = sum(p.numel() for p in params)
+    result = {"machine": machine_info(), "params": total, "chunk_bytes": args.chunk_mib << 20, "ratios": {}}
+    print(f"{total / 1e9:.2f}B bf16 params, {len(params)} tensors; {result['machine']}", flush=True)
+
+    # Reference: torch fused AdamW on the GPU over fp32 copies of everything.
+    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]
+    for rp, p in zip(ref_params, params):
+        rp.grad = p.grad.float()
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-5, fused=True)
+    result["torch_fused_adamw_fp32_s"] = median_interleaved({"ref": ref_opt.step}, rounds=args.rounds)["ref"]
+    print(f"  torch fused AdamW (GPU, fp32): {result['torch_fused_adamw_fp32_s'] * 1e3:.1f} ms", flush=True)
+    del ref_params, ref_opt
+    torch.cuda.empty_cache()
+
+    for ratio in args.ratios:
+        entry = measure_ratio(params, ratio, args.chunk_mib << 20, args.rounds)
+        result["ratios"][str(ratio)] = entry
+        s = entry.get("staging", {})
+        print(
+            f"  ratio {ratio:4.2f}: step {entry['step_s'] * 1e3:7.1f} ms  cpu {entry['cpu_kernel_s'] * 1e3:7.1f} ms  "
+            f"gpu {entry['gpu_side_s'] * 1e3:6.1f} ms  step/max {entry['step_over_bound']:.2f}  "
+            f"d2h {s.get('d2h_gb_s', 0):.1f} GB/s  h2d {s.get('h2d_gb_s', 0):.1f} GB/s",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    path = write_json(result, "bench_step.json", args.out)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""TwinFlowAdam against torch.optim.AdamW, on the CPU (device side on the CPU too) and on CUDA."""
+
+import io
+
+import pytest
+import torch
+
+from twinflow import TwinFlowAdam
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def make_model(device: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 48),
+        torch.nn.LayerNorm(48),
+        torch.nn.GELU(),
+        torch.nn.Linear(48, 24),
+        torch.nn.Linear(24, 6),
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    return [
+        {"params": list(model[0].parameters()) + list(model[1].parameters()), "lr": 3e-3, "weight_decay": 0.05},
+        {"params": list(model[3].parameters()) + list(model[4].parameters()), "lr": 1e-3, "weight_decay": 0.0},
+    ]
+
+
+def run(model, opt, sched, steps: int, device: str, seed: int, clip: float | None = None) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=gen).to(device, dtype)
+        y = torch.randn(16, 6, generator=gen).to(device, dtype)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        if clip is not None:
+            if isinstance(opt, TwinFlowAdam):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.float(), pb.float(), rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", ["first", "last"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.5, 1.0])
+def test_matches_adamw(device: str, ratio: float, placement: str) -> None:
+    """30 steps, two groups, LambdaLR, clipping, and a mid-run state_dict round trip to another ratio."""
+    ours, ref = make_model(device), make_model(device)
+    lam = lambda s: 1.0 / (1.0 + 0.1 * s)  # noqa: E731
+    opt = TwinFlowAdam(groups(ours), ratio=ratio, placement=placement, chunk_bytes=1024)
+    ref_opt = torch.optim.AdamW(groups(ref))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)
+    assert run(ours, opt, sched, 15, device, 1, clip=0.5) == pytest.approx(
+        run(ref, ref_opt, ref_sched, 15, device, 1, clip=0.5), rel=1e-5
+    )
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    other = TwinFlowAdam(groups(ours), lr=1.0, ratio=1.0 - ratio, placement="last", chunk_bytes=4096)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    sched2 = torch.optim.lr_scheduler.LambdaLR(other, lam)
+    sched2.load_state_dict(sched.state_dict())
+    assert run(ours, other, sched2, 15, device, 2) == pytest.approx(
+        run(ref, ref_opt, ref_sched, 15, device, 2), rel=1e-5
+    )
+    assert_params_close(ours, ref)
+    assert [g["lr"] for g in other.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_loads_into_adamw_and_back(device: str) -> None:
+    ours, ref = make_model(device), make_model(device)
+    opt = TwinFlowAdam(ours.parameters(), lr=2e-3, weight_decay=0.01, ratio=0.5, chunk_bytes=2048)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.01)
+    none = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ref_none = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0)
+    run(ours, opt, none, 5, device, 3)
+    run(ref, ref_opt, ref_none, 5, device, 3)
+    adamw = torch.optim.AdamW(ours.parameters(), lr=2e-3, weight_decay=0.01)
+    adamw.load_state_dict(opt.state_dict())
+    run(ours, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1.0), 5, device, 4)
+    run(ref, ref_opt, ref_none, 5, device, 4)
+    back = TwinFlowAdam(ours.parameters(), ratio=0.3, placement="last", chunk_bytes=2048)
+    back.load_state_dict(adamw.state_dict())
+    run(ours, back, torch.optim.lr_scheduler.LambdaLR(back, lambda s: 1.0), 5, device, 5)
+    run(ref, ref_opt, ref_none, 5, device, 5)
+    assert_params_close(ours, ref)
+    assert back.state_dict()["state"][0]["step"].item() == 15
+
+
+def test_split_summary_and_no_host_state_at_ratio_zero() -> None:
+    model = make_model("cpu")
+    opt = TwinFlowAdam(model.parameters(), ratio=0.0)
+    assert opt.split_summary["cpu"]["elements"] == 0 and opt._staging is None and opt._cpu == []
+    opt = TwinFlowAdam(model.parameters(), ratio=0.37)
+    total = sum(p.numel() for p in model.parameters())
+    assert opt.split_summary["cpu"]["elements"] == round(0.37 * total)
+    assert opt.split_summary["ratio_achieved"] == pytest.approx(0.37, abs=1 / total)
+
+
+def test_params_without_grad_are_skipped() -> None:
+    model = make_model("cpu")
+    model[0].weight.requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=1024)
+    run(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 3, "cpu", 6)
+    assert torch.equal(model[0].weight, before)
+    assert 0 not in opt.state_dict()["state"] and opt.state_dict()["state"][1]["step"].item() == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"ratio": 1.5}, ValueError, r"ratio=1.5"),
+        ({"ratio": "abc"}, TypeError, r"ratio='abc'"),
+        ({"placement": "middle"}, ValueError, r"placement='middle'"),
+        ({"lr": -1.0}, ValueError, "Invalid learning rate"),
+        ({"chunk_bytes": 10}, ValueError, "chunk_bytes=10"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        TwinFlowAdam(make_model("cpu").parameters(), **kwargs)
+
+
+def test_sparse_gradient_is_refused() -> None:
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = TwinFlowAdam(emb.parameters(), ratio=0.5)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradient"):
+        opt.step()
+
+
+@pytest.mark.cuda
+def test_parameters_on_several_devices_are_refused() -> None:
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="cuda"))
+    with pytest.raises(ValueError, match="several devices"):
+        TwinFlowAdam([a, b])
+
+
+def test_fp16_overflow_skips_both_sides() -> None:
+    model = make_model("cpu", torch.float16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=1024)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = opt.state_dict()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model[4].bias.grad[0] = float("inf")  # the last tensor: device side under placement "first"
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    after = opt.state_dict()
+    for i, entry in state_before["state"].items():
+        assert all(torch.equal(v, after["state"][i][k]) for k, v in entry.items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_without_bias_correction_matches_cpu_adam(device: str, adamw_mode: bool) -> None:
+    """Both sides without bias correction agree with CPUAdam (itself checked against a float64 reference)."""
+    from twinflow import CPUAdam
+
+    ours, ref = make_model(device), make_model("cpu")
+    kw = dict(lr=2e-3, weight_decay=0.1, adamw_mode=adamw_mode, bias_correction=False)
+    opt = TwinFlowAdam(ours.parameters(), ratio=0.5, chunk_bytes=1024, **kw)
+    ref_opt = CPUAdam(ref.parameters(), **kw)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(10):
+        for p, r in zip(ours.parameters(), ref.parameters()):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, r.grad = g.to(device), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert_params_close(ours.cpu(), ref)
+
+
+# ---------------------------------------------------------------- CUDA only
+def bf16_params(n_tensors: int, size: int, seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [size + 37 * i for i in range(n_tensors)]  # odd sizes: pieces straddle chunk boundaries
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to("cuda", torch.bfloat16)) for n in sizes]
+
+
+def train_against_master_reference(chunk_bytes: int, steps: int, busy_gpu: bool, ratio: float = 0.6) -> None:
+    """bf16 params stepped by TwinFlowAdam vs torch AdamW on fp32 masters fed the same bf16 gradients."""
+    params = bf16_params(6, 200_000, seed=11)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = TwinFlowAdam(params, lr=1e-2, weight_decay=0.01, ratio=ratio, chunk_bytes=chunk_bytes)
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for _ in range(steps):
+        for p, m in zip(params, masters):
+            if busy_gpu:
+                torch.cuda._sleep(2_000_000)  # the gradients arrive late: a missing wait reads stale buffers
+            g = torch.randn(p.shape, device="cuda", generator=gen).bfloat16()
+            p.grad = g
+            m.grad = g.float()
+        opt.step()
+        ref.step()
+        # The next "forward": read the weights on the current stream right after step().
+        seen = [p.detach().float().clone() for p in params]
+        for s, m in zip(seen, masters):
+            torch.testing.assert_close(s, m.detach().bfloat16().float(), rtol=0, atol=0)
+    state = opt.state_dict()["state"]
+    for i, m in enumerate(masters):
+        torch.testing.assert_close(state[i]["master"].reshape(-1), m.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_bf16_model_matches_fp32_master_adamw() -> None:
+    train_against_master_reference(chunk_bytes=1 << 20, steps=20, busy_gpu=False)
+
+
+@pytest.mark.cuda
+def test_race_many_chunks_busy_gpu() -> None:
+    """Tiny chunks (hundreds of buffer swaps a step) while the GPU lags behind the host."""
+    train_against_master_reference(chunk_bytes=16 << 10, steps=4, busy_gpu=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("removed", ["grad_ready", "finish_step"])
+def test_race_test_catches_a_missing_synchronisation(monkeypatch: pytest.MonkeyPatch, removed: str) -> None:
+    """The race test above must fail when one of the synchronisations is taken out."""
+    from twinflow import transfer
+
+    if removed == "grad_ready":
+        original_init = transfer.Staging.__init__
+
+        def init_without_wait(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.grad_ready = [transfer._NoEvent(), transfer._NoEvent()]
+
+        monkeypatch.setattr(transfer.Staging, "__init__", init_without_wait)
+    else:
+        original_h2d = transfer.Staging.h2d
+
+        def slow_upload_stream(self):
+            with torch.cuda.stream(self.h2d_stream):
+                torch.cuda._sleep(5_000_000)
+            return original_h2d(self)
+
+        monkeypatch.setattr(transfer.Staging, "h2d", slow_upload_stream)
+        monkeypatch.setattr(transfer.Staging, "finish_step", lambda self: None)
+    with pytest.raises(AssertionError):
+        train_against_master_reference(chunk_bytes=16 << 10, steps=4, busy_gpu=True)
+
+
+@pytest.mark.cuda
+def test_memory_is_flat_over_100_steps() -> None:
+    import os
+
+    params = bf16_params(4, 1_000_000, seed=13)
+    opt = TwinFlowAdam(params, ratio=0.5, chunk_bytes=1 << 20)
+    buffers = [b.data_ptr() for b in opt._staging.grad_bufs + opt._staging.param_bufs]
+    readings = []
+    for step in range(100):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step in (9, 99):
+            torch.cuda.synchronize()
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            readings.append((torch.cuda.memory_allocated(), rss))
+    assert readings[1][0] == readings[0][0], "device memory grew"
+    assert readings[1][1] - readings[0][1] < 32 << 20, "host memory grew by more than 32 MiB"
+    assert [b.data_ptr() for b in opt._staging.grad_bufs + opt._staging.param_bufs] == buffers
+    assert opt.split_summary["pinned_bytes"] == 4 << 20
