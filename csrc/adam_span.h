@@ -21,6 +21,14 @@ struct fp16_t {
 // Tag for "no low-precision copy requested".
 struct no_out_t {};
 
+// Streaming (non-temporal) stores for the low-precision copy. Off with
+// -DTWINFLOW_NO_STREAMING_STORES (TWINFLOW_EXTRA_CFLAGS), to compare.
+#if defined(TWINFLOW_NO_STREAMING_STORES)
+constexpr bool kStreamingStores = false;
+#else
+constexpr bool kStreamingStores = true;
+#endif
+
 // Per-tensor constants, derived once per call from lr/betas/step.
 struct AdamConsts {
   float beta1;

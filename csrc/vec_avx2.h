@@ -44,7 +44,7 @@ struct VecAvx2 {
   static constexpr int kOutAlign = 16;
   template <class T>
   static void store_bits(T* p, __m128i bits) {
-    if ((reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
+    if (kStreamingStores && (reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits);
     } else {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits);

@@ -43,7 +43,7 @@ struct VecAvx512 {
   static constexpr int kOutAlign = 32;
   template <class T>
   static void store_bits(T* p, __m256i bits) {
-    if ((reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
+    if (kStreamingStores && (reinterpret_cast<uintptr_t>(p) & (kOutAlign - 1)) == 0) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits);
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);

@@ -200,6 +200,24 @@ def bf16_params(n_tensors: int, size: int, seed: int) -> list[torch.nn.Parameter
     return [torch.nn.Parameter(torch.randn(n, generator=gen).to("cuda", torch.bfloat16)) for n in sizes]
 
 
+def assert_within_bf16_rounding(weights: torch.Tensor, master: torch.Tensor) -> None:
+    """Every weight within one bf16 ulp (+1e-6) of the reference master, at most 0.1% not its exact rounding.
+
+    Two fp32 masters that agree to ~1e-7 can still round to neighbouring bf16
+    values; stale or misplaced data changes far more than 0.1% of elements.
+    """
+    rounded = master.bfloat16().float()
+    ulp = torch.nextafter(
+        master.abs().bfloat16(), torch.tensor(float("inf"), device=master.device, dtype=torch.bfloat16)
+    )
+    ulp = ulp.float() - master.abs().bfloat16().float()
+    # fp32 rounding in Adam is absolute (~lr x 1e-7), so near zero the bound needs a floor;
+    # a stale update (~lr = 1e-2) is still four orders of magnitude above it.
+    assert ((weights - rounded).abs() <= ulp + 1e-6).all(), "a weight is more than one bf16 ulp from the reference"
+    inexact = (weights != rounded).float().mean().item()
+    assert inexact <= 1e-3, f"{inexact:.2%} of the weights differ from the reference's rounding"
+
+
 def train_against_master_reference(chunk_bytes: int, steps: int, busy_gpu: bool, ratio: float = 0.6) -> None:
     """bf16 params stepped by TwinFlowAdam vs torch AdamW on fp32 masters fed the same bf16 gradients."""
     params = bf16_params(6, 200_000, seed=11)
@@ -219,7 +237,7 @@ def train_against_master_reference(chunk_bytes: int, steps: int, busy_gpu: bool,
         # The next "forward": read the weights on the current stream right after step().
         seen = [p.detach().float().clone() for p in params]
         for s, m in zip(seen, masters):
-            torch.testing.assert_close(s, m.detach().bfloat16().float(), rtol=0, atol=0)
+            assert_within_bf16_rounding(s, m.detach())
     state = opt.state_dict()["state"]
     for i, m in enumerate(masters):
         torch.testing.assert_close(state[i]["master"].reshape(-1), m.detach().cpu(), rtol=1e-5, atol=1e-6)

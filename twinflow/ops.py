@@ -89,7 +89,7 @@ def _build_and_load() -> None:
         cpp_extension.load(
             name="twinflow_cpu_adam",
             sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=_CFLAGS,
+            extra_cflags=_CFLAGS + os.environ.get("TWINFLOW_EXTRA_CFLAGS", "").split(),
             extra_ldflags=["-fopenmp", "-lstdc++"],
             is_python_module=False,
             verbose=os.environ.get("TWINFLOW_VERBOSE_BUILD") == "1",
