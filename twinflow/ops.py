@@ -7,6 +7,7 @@ Setting ``TWINFLOW_BUILD_EXT=1`` while installing builds it ahead of time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -121,6 +122,7 @@ def load() -> None:
         _loaded = True
 
 
+@functools.cache
 def cpu_simd_level() -> int:
     """The best SIMD level this CPU supports: 0 scalar, 1 AVX2, 2 AVX-512."""
     load()

@@ -54,8 +54,7 @@ class Staging:
 
     @staticmethod
     def view(buf: torch.Tensor, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        size = torch.empty((), dtype=dtype).element_size()
-        return buf[byte_offset : byte_offset + numel * size].view(dtype)
+        return buf[byte_offset : byte_offset + numel * dtype.itemsize].view(dtype)
 
     def d2h(self):
         return torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()

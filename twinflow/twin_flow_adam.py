@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,30 @@ class _Piece:
     b: int
     grad_offset: int
     param_offset: int
+
+
+@dataclass
+class _KernelCall:
+    """One kernel call: the pieces of one chunk that belong to one param group."""
+
+    group: int
+    pieces: list[int]  # positions in the chunk
+    param_indices: list[int]
+    masters: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+
+
+@dataclass
+class _Chunk:
+    """One chunk's pieces and the views that move and step them, built once and reused every step."""
+
+    pieces: list[_Piece]
+    grad_bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (param index, start, end)
+    param_dst: list[torch.Tensor] = field(default_factory=list)
+    grad_stage: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
+    param_stage: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
+    calls: list[_KernelCall] = field(default_factory=list)
 
 
 def _aligned(nbytes: int) -> int:
@@ -139,6 +163,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
                     self._dev.append(st)
                 self._segments_of[seg.index].append(st)
         self._staging = Staging(self.device, self.chunk_bytes) if self._cpu else None
+        self._plan_cache: tuple[tuple, list[_Chunk]] | None = None
         self.split_summary = self._summarise()
         log.info("TwinFlowAdam split: %s", self.split_summary)
 
@@ -194,8 +219,12 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
             return loss
         has_grad = set(with_grad)
+        cpu_states = [st for st in self._cpu if st.seg.index in has_grad]
+        if cpu_states:
+            # Before the device step is queued: downloads wait for backward, not for the GPU's Adam.
+            self._staging.start_step()
         self._step_device([st for st in self._dev if st.seg.index in has_grad])
-        self._step_cpu([st for st in self._cpu if st.seg.index in has_grad])
+        self._step_cpu(cpu_states)
         for i in with_grad:
             self._steps[i] += 1
         return loss
@@ -255,35 +284,54 @@ class TwinFlowAdam(torch.optim.Optimizer):
             chunks.append(current)
         return chunks
 
+    def _chunk_plan(self, states: list[_SegmentState]) -> list[_Chunk]:
+        """The chunks and every view they need; rebuilt only when the set of gradients or dtypes changes."""
+        key = tuple((st.seg.index, st.seg.start, self._params[st.seg.index].grad.dtype) for st in states)
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        staging = self._staging
+        plan = []
+        for pieces in self._plan_chunks(states):
+            chunk = _Chunk(pieces=pieces)
+            for pc in pieces:
+                seg, p = pc.state.seg, self._params[pc.state.seg.index]
+                n, gdtype = pc.b - pc.a, p.grad.dtype
+                chunk.grad_bounds.append((seg.index, seg.start + pc.a, seg.start + pc.b))
+                chunk.param_dst.append(p.detach().view(-1)[seg.start + pc.a : seg.start + pc.b])
+                for buf in range(2):
+                    chunk.grad_stage[buf].append(Staging.view(staging.grad_bufs[buf], pc.grad_offset, n, gdtype))
+                    chunk.param_stage[buf].append(Staging.view(staging.param_bufs[buf], pc.param_offset, n, p.dtype))
+            by_group: dict[int, list[int]] = {}
+            for j, pc in enumerate(pieces):
+                by_group.setdefault(self._group_of[pc.state.seg.index], []).append(j)
+            for gi, idx in by_group.items():
+                chunk.calls.append(
+                    _KernelCall(
+                        group=gi,
+                        pieces=idx,
+                        param_indices=[pieces[j].state.seg.index for j in idx],
+                        masters=[pieces[j].state.master[pieces[j].a : pieces[j].b] for j in idx],
+                        exp_avgs=[pieces[j].state.exp_avg[pieces[j].a : pieces[j].b] for j in idx],
+                        exp_avg_sqs=[pieces[j].state.exp_avg_sq[pieces[j].a : pieces[j].b] for j in idx],
+                    )
+                )
+            plan.append(chunk)
+        self._plan_cache = (key, plan)
+        return plan
+
     def _step_cpu(self, states: list[_SegmentState]) -> None:
         """Download gradients, step on the CPU, upload weights: chunk by chunk, double-buffered."""
         if not states:
             return
         st = self._staging
-        chunks = self._plan_chunks(states)
-        st.start_step()
-
-        def grad_src(pc: _Piece) -> torch.Tensor:
-            seg = pc.state.seg
-            return self._params[seg.index].grad.reshape(-1)[seg.start + pc.a : seg.start + pc.b]
-
-        def param_dst(pc: _Piece) -> torch.Tensor:
-            seg = pc.state.seg
-            return self._params[seg.index].detach().view(-1)[seg.start + pc.a : seg.start + pc.b]
-
-        def grad_stage(pc: _Piece, buf: int) -> torch.Tensor:
-            g = self._params[pc.state.seg.index].grad
-            return Staging.view(st.grad_bufs[buf], pc.grad_offset, pc.b - pc.a, g.dtype)
-
-        def param_stage(pc: _Piece, buf: int) -> torch.Tensor:
-            p = self._params[pc.state.seg.index]
-            return Staging.view(st.param_bufs[buf], pc.param_offset, pc.b - pc.a, p.dtype)
+        chunks = self._chunk_plan(states)  # the caller has already ordered downloads after backward
+        grads = [p.grad.reshape(-1) if p.grad is not None else None for p in self._params]
 
         def download(k: int) -> None:
-            buf = k % 2
+            chunk, buf = chunks[k], k % 2
             with st.d2h():
-                for pc in chunks[k]:
-                    grad_stage(pc, buf).copy_(grad_src(pc), non_blocking=True)
+                sources = [grads[i][a:b] for i, a, b in chunk.grad_bounds]
+                torch._foreach_copy_(chunk.grad_stage[buf], sources, non_blocking=True)
                 st.grad_ready[buf].record()
 
         for k in range(min(2, len(chunks))):
@@ -292,39 +340,35 @@ class TwinFlowAdam(torch.optim.Optimizer):
             buf = k % 2
             st.grad_ready[buf].synchronize()  # chunk k is on the host
             st.upload_done[buf].synchronize()  # chunk k-2's weights have left this upload buffer
-            self._kernel(chunk, [grad_stage(pc, buf) for pc in chunk], [param_stage(pc, buf) for pc in chunk])
+            for call in chunk.calls:
+                self._kernel(call, chunk.grad_stage[buf], chunk.param_stage[buf])
             with st.h2d():
-                for pc in chunk:
-                    param_dst(pc).copy_(param_stage(pc, buf), non_blocking=True)
+                torch._foreach_copy_(chunk.param_dst, chunk.param_stage[buf], non_blocking=True)
                 st.upload_done[buf].record()
             if k + 2 < len(chunks):
                 download(k + 2)  # the kernel is done with this gradient buffer
         st.finish_step()
 
-    def _kernel(self, chunk: list[_Piece], grads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Runs the CPU kernel over one chunk, one call per param group present in it."""
-        by_group: dict[int, list[int]] = {}
-        for j, pc in enumerate(chunk):
-            by_group.setdefault(self._group_of[pc.state.seg.index], []).append(j)
-        for gi, idx in by_group.items():
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            ops.adam_step_(
-                [chunk[j].state.master[chunk[j].a : chunk[j].b] for j in idx],
-                [grads[j] for j in idx],
-                [chunk[j].state.exp_avg[chunk[j].a : chunk[j].b] for j in idx],
-                [chunk[j].state.exp_avg_sq[chunk[j].a : chunk[j].b] for j in idx],
-                [self._steps[chunk[j].state.seg.index] + 1 for j in idx],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw_mode=group["adamw_mode"],
-                bias_correction=group["bias_correction"],
-                out_copies=[outs[j] for j in idx],
-                num_threads=self.num_threads,
-            )
+    def _kernel(self, call: _KernelCall, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Runs the CPU kernel over the pieces of one param group in one chunk."""
+        group = self.param_groups[call.group]
+        beta1, beta2 = group["betas"]
+        ops.adam_step_(
+            call.masters,
+            [grads[j] for j in call.pieces],
+            call.exp_avgs,
+            call.exp_avg_sqs,
+            [self._steps[i] + 1 for i in call.param_indices],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=group["adamw_mode"],
+            bias_correction=group["bias_correction"],
+            out_copies=[outs[j] for j in call.pieces],
+            num_threads=self.num_threads,
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
