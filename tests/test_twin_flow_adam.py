@@ -304,3 +304,24 @@ def test_memory_is_flat_over_100_steps() -> None:
     assert readings[1][1] - readings[0][1] < 32 << 20, "host memory grew by more than 32 MiB"
     assert [b.data_ptr() for b in opt._staging.grad_bufs + opt._staging.param_bufs] == buffers
     assert opt.split_summary["pinned_bytes"] == 4 << 20
+
+
+def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinflow import transfer
+
+    real_empty = torch.empty
+
+    def failing_empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match=r"128.0 MiB of pinned host memory.*smaller chunk_bytes"):
+        transfer.Staging(_PinnedDevice(), 32 << 20)
+
+
+class _PinnedDevice:
+    """A device that asks for pinned staging (as CUDA does), for the allocation-failure test."""
+
+    type = "cuda"
