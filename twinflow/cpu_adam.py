@@ -29,6 +29,29 @@ def check_hyperparams(lr: float, betas: tuple[float, float], eps: float, weight_
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; expected a finite number >= 0")
 
 
+def adam_defaults(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    num_threads: int | None,
+) -> dict[str, Any]:
+    """Checks the arguments twinflow's Adam optimizers share; returns their Optimizer ``defaults``."""
+    check_hyperparams(lr, betas, eps, weight_decay)
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads={num_threads!r}; expected a positive int or None for torch's default")
+    return dict(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        bias_correction=bias_correction,
+    )
+
+
 class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW over float32 CPU parameters, using twinflow's SIMD kernel.
 
@@ -53,17 +76,7 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         num_threads: int | None = None,
     ) -> None:
-        check_hyperparams(lr, betas, eps, weight_decay)
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise ValueError(f"num_threads={num_threads!r}; expected a positive int or None for torch's default")
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw_mode=adamw_mode,
-            bias_correction=bias_correction,
-        )
+        defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         super().__init__(params, defaults)
         self.num_threads = num_threads
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from twinflow import ops
-from twinflow.cpu_adam import ParamsT, check_hyperparams
+from twinflow.cpu_adam import ParamsT, adam_defaults, check_hyperparams
 from twinflow.partition import Segment, check_placement, check_ratio, split
 from twinflow.transfer import Staging
 
@@ -105,19 +105,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
         chunk_bytes: int = 32 << 20,
         num_threads: int | None = None,
     ) -> None:
-        check_hyperparams(lr, betas, eps, weight_decay)
+        defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         self.ratio = check_ratio(ratio)
         self.placement = check_placement(placement)
         if not isinstance(chunk_bytes, int) or chunk_bytes < 4 * _ALIGN:
             raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= {4 * _ALIGN}")
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw_mode=adamw_mode,
-            bias_correction=bias_correction,
-        )
         super().__init__(params, defaults)
         self.chunk_bytes = chunk_bytes
         self.num_threads = num_threads
