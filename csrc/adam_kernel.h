@@ -3,6 +3,7 @@
 // `vec_scalar.h` and that ISA's vector header.
 //
 // Per element, with g converted to fp32 in registers:
+//   g *= grad_scale (if not 1)
 //   Adam  (L2):  g += wd * p
 //   m = beta1 * m + (1 - beta1) * g
 //   v = beta2 * v + (1 - beta2) * g * g
@@ -24,6 +25,9 @@ inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const A
     m_new = V::add(m_new, grad);
     v_new = V::add(v_new, grad);
   } else {
+    if (c.grad_scale != 1.0f) {
+      grad = V::mul(grad, V::set1(c.grad_scale));
+    }
     if (c.l2_decay != 0.0f) {  // skipped, not multiplied by 0: 0 * inf would be NaN
       grad = V::fmadd(V::set1(c.l2_decay), param, grad);
     }

@@ -38,6 +38,7 @@ struct AdamConsts {
   float eps;
   float step_size;     // lr / bias_correction1
   float inv_bc2_sqrt;  // 1 / sqrt(bias_correction2)
+  float grad_scale;    // grad *= grad_scale first (clipping or loss-scale coefficient); 1 = off
   float l2_decay;      // Adam (L2) mode: grad += l2_decay * param
   float param_scale;   // AdamW mode: param *= param_scale (1 - lr * wd)
 };

@@ -108,7 +108,7 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
 }
 
 AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                       bool adamw_mode, bool bias_correction) {
+                       bool adamw_mode, bool bias_correction, double grad_scale) {
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   AdamConsts c;
@@ -119,6 +119,7 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
   c.eps = static_cast<float>(eps);
   c.step_size = static_cast<float>(lr / bc1);
   c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.grad_scale = static_cast<float>(grad_scale);
   c.l2_decay = adamw_mode ? 0.0f : static_cast<float>(weight_decay);
   c.param_scale = adamw_mode ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   return c;
@@ -159,16 +160,18 @@ void run_parallel(const std::vector<AdamSpan>& spans, int64_t num_threads, int64
 
 void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                     at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, bool adamw_mode, bool bias_correction, int64_t num_threads, int64_t simd,
-                    Body body) {
+                    double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
+                    int64_t num_threads, int64_t simd, Body body) {
   check_args(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay, simd);
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
   std::vector<AdamConsts> consts;
   consts.reserve(n);
   std::vector<AdamSpan> spans;
   spans.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    consts.push_back(make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction));
+    consts.push_back(
+        make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale));
   }
   for (size_t i = 0; i < n; ++i) {
     const bool has_out = !out_copies.empty();
@@ -182,9 +185,10 @@ void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList 
 
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool adamw_mode, bool bias_correction, int64_t num_threads, int64_t simd) {
+               double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads,
+               int64_t simd) {
   adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay,
-                 adamw_mode, bias_correction, num_threads, simd, Body::kAdam);
+                 adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
 }
 
 // Same memory traffic as adam_step (reads p, g, m, v; writes p, m, v, out),
@@ -192,7 +196,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
 void bandwidth_probe(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                      at::TensorList out_copies, int64_t num_threads, int64_t simd) {
   std::vector<int64_t> steps(params.size(), 1);
-  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true, true,
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0,
                  num_threads, simd, Body::kProbe);
 }
 
@@ -204,7 +208,7 @@ TORCH_LIBRARY(twinflow, m) {
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] out_copies, int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool adamw_mode, bool bias_correction, int num_threads, int simd) -> ()");
+      "bool adamw_mode, bool bias_correction, float grad_scale, int num_threads, int simd) -> ()");
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] out_copies, int num_threads, int simd) -> ()");

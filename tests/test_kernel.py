@@ -354,6 +354,40 @@ def test_opcheck() -> None:
         [torch.rand(n, generator=gen)],
         [torch.empty(n, dtype=torch.bfloat16)],
         [2],
-        1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 2, ops.resolve_simd(),
+        1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5, 2, ops.resolve_simd(),
     )  # fmt: skip
     torch.library.opcheck(torch.ops.twinflow.adam_step_.default, args)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_grad_scale_equals_prescaled_gradients(simd: str, adamw_mode: bool) -> None:
+    gen = torch.Generator().manual_seed(9)
+    sizes = [7, 1003]
+    a, b = random_set(sizes, gen), None
+    b = {k: [t.clone() for t in v] for k, v in a.items()}
+    for step in range(1, 6):
+        grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        common = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode, simd=simd)
+        ops.adam_step_(a["params"], grads, a["exp_avgs"], a["exp_avg_sqs"], [step] * 2, grad_scale=0.37, **common)
+        scaled = [g.float() * 0.37 for g in grads]
+        ops.adam_step_(b["params"], scaled, b["exp_avgs"], b["exp_avg_sqs"], [step] * 2, **common)
+    for p, q in zip(a["params"], b["params"]):
+        assert_close_1e6(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_out_copy_may_overwrite_the_gradient_in_place(simd: str, dtype: torch.dtype) -> None:
+    """TwinFlowAdam's chunk buffers carry the gradient in and the rounded weight out: same memory."""
+    gen = torch.Generator().manual_seed(10)
+    sizes = [5, 4099, 70001]  # tails, and thread boundaries inside tensors
+    a = random_set(sizes, gen)
+    b = {k: [t.clone() for t in v] for k, v in a.items()}
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    in_place = [g.clone() for g in grads]
+    outs = [torch.full((n,), float("nan"), dtype=dtype) for n in sizes]  # poisoned
+    common = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, num_threads=3, simd=simd)
+    ops.adam_step_(a["params"], grads, a["exp_avgs"], a["exp_avg_sqs"], [1] * 3, out_copies=outs, **common)
+    ops.adam_step_(b["params"], in_place, b["exp_avgs"], b["exp_avg_sqs"], [1] * 3, out_copies=in_place, **common)
+    for out, ip, p, q in zip(outs, in_place, a["params"], b["params"]):
+        assert torch.equal(p, q)
+        assert torch.equal(out, ip) and torch.equal(ip, p.to(dtype))

@@ -170,6 +170,7 @@ def adam_step_(
     adamw_mode: bool = True,
     bias_correction: bool = True,
     out_copies: Sequence[torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
     num_threads: int | None = None,
     simd: str | None = None,
 ) -> None:
@@ -180,6 +181,8 @@ def adam_step_(
     update (1 on the first step). If ``out_copies`` is given, the updated
     params are also written, rounded, into those bfloat16/float16 (or float32)
     tensors: the staging buffers that carry weights back to the GPU.
+    ``grad_scale`` multiplies every gradient first (a clipping coefficient
+    or an inverse loss scale known only after the gradients were staged).
     Every argument is checked before anything is written. The GIL is released
     while the kernel runs.
     """
@@ -200,6 +203,7 @@ def adam_step_(
         float(weight_decay),
         bool(adamw_mode),
         bool(bias_correction),
+        float(grad_scale),
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
     )
