@@ -108,7 +108,7 @@ def test_state_dict_loads_into_adamw_and_back(device: str) -> None:
 def test_split_summary_and_no_host_state_at_ratio_zero() -> None:
     model = make_model("cpu")
     opt = TwinFlowAdam(model.parameters(), ratio=0.0)
-    assert opt.split_summary["cpu"]["elements"] == 0 and opt._staging is None and opt._cpu == []
+    assert opt.split_summary["cpu"]["elements"] == 0 and opt._pipeline is None and opt._cpu == []
     opt = TwinFlowAdam(model.parameters(), ratio=0.37)
     total = sum(p.numel() for p in model.parameters())
     assert opt.split_summary["cpu"]["elements"] == round(0.37 * total)
@@ -255,29 +255,30 @@ def test_race_many_chunks_busy_gpu() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("removed", ["grad_ready", "finish_step"])
+@pytest.mark.parametrize("removed", ["grad_ready", "final_wait"])
 def test_race_test_catches_a_missing_synchronisation(monkeypatch: pytest.MonkeyPatch, removed: str) -> None:
     """The race test above must fail when one of the synchronisations is taken out."""
-    from twinflow import transfer
+    from twinflow import pipeline, transfer
 
     if removed == "grad_ready":
-        original_init = transfer.Staging.__init__
+        original_init = pipeline.HostPipeline.__init__
 
         def init_without_wait(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
-            self.grad_ready = [transfer._NoEvent(), transfer._NoEvent()]
+            for chunk in self.chunks:
+                chunk.grad_ready = transfer.NoEvent()
 
-        monkeypatch.setattr(transfer.Staging, "__init__", init_without_wait)
+        monkeypatch.setattr(pipeline.HostPipeline, "__init__", init_without_wait)
     else:
-        original_h2d = transfer.Staging.h2d
+        original_h2d = transfer.Streams.h2d
 
         def slow_upload_stream(self):
             with torch.cuda.stream(self.h2d_stream):
                 torch.cuda._sleep(5_000_000)
             return original_h2d(self)
 
-        monkeypatch.setattr(transfer.Staging, "h2d", slow_upload_stream)
-        monkeypatch.setattr(transfer.Staging, "finish_step", lambda self: None)
+        monkeypatch.setattr(transfer.Streams, "h2d", slow_upload_stream)
+        monkeypatch.setattr(transfer.Streams, "compute_waits", lambda self, event: None)
     with pytest.raises(AssertionError):
         train_against_master_reference(chunk_bytes=16 << 10, steps=4, busy_gpu=True)
 
@@ -288,7 +289,7 @@ def test_memory_is_flat_over_100_steps() -> None:
 
     params = bf16_params(4, 1_000_000, seed=13)
     opt = TwinFlowAdam(params, ratio=0.5, chunk_bytes=1 << 20)
-    buffers = [b.data_ptr() for b in opt._staging.grad_bufs + opt._staging.param_bufs]
+    buffers = [c.buffer.data_ptr() for c in opt._pipeline.chunks]
     readings = []
     for step in range(100):
         for p in params:
@@ -302,8 +303,9 @@ def test_memory_is_flat_over_100_steps() -> None:
             readings.append((torch.cuda.memory_allocated(), rss))
     assert readings[1][0] == readings[0][0], "device memory grew"
     assert readings[1][1] - readings[0][1] < 32 << 20, "host memory grew by more than 32 MiB"
-    assert [b.data_ptr() for b in opt._staging.grad_bufs + opt._staging.param_bufs] == buffers
-    assert opt.split_summary["pinned_bytes"] == 4 << 20
+    assert [c.buffer.data_ptr() for c in opt._pipeline.chunks] == buffers
+    cpu_grad_bytes = opt.split_summary["cpu"]["elements"] * 2
+    assert cpu_grad_bytes <= opt.split_summary["pinned_bytes"] <= cpu_grad_bytes + 64 * len(buffers) * 4
 
 
 def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -317,11 +319,5 @@ def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: p
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(transfer.torch, "empty", failing_empty)
-    with pytest.raises(RuntimeError, match=r"128.0 MiB of pinned host memory.*smaller chunk_bytes"):
-        transfer.Staging(_PinnedDevice(), 32 << 20)
-
-
-class _PinnedDevice:
-    """A device that asks for pinned staging (as CUDA does), for the allocation-failure test."""
-
-    type = "cuda"
+    with pytest.raises(RuntimeError, match=r"128.0 MiB of pinned host memory.*lower the ratio"):
+        transfer.pinned_buffers([32 << 20] * 4, True, "gradients")

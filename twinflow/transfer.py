@@ -1,9 +1,8 @@
-"""Pinned, double-buffered staging between the device and the host.
+"""Copy streams, events and pinned host buffers between the device and the host.
 
-Two buffers per direction, each of `chunk_size` elements, allocated once and
-reused every step. On CUDA the copies run on their own streams and are
-ordered with events; on a CPU-only machine the same code runs with ordinary
-memory and synchronous copies, so tests exercise the same logic.
+On CUDA the copies run on their own streams and are ordered with events; on
+a CPU-only machine the same calls run with ordinary memory and synchronous
+copies, so tests exercise the same logic there.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import contextlib
 import torch
 
 
-class _NoEvent:
+class NoEvent:
     """Stands in for a CUDA event where copies are synchronous."""
 
     def record(self, stream=None) -> None:
@@ -22,39 +21,21 @@ class _NoEvent:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
 
-class Staging:
-    """Two download (gradient) and two upload (weight) byte buffers, and the streams that fill them.
 
-    Buffers hold raw bytes so one chunk can carry pieces of several dtypes;
-    `chunk_bytes` is the size of each of the four buffers.
-    """
+class Streams:
+    """One download (device-to-host) and one upload (host-to-device) stream, or stand-ins without CUDA."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.chunk_bytes = chunk_bytes
         self.cuda = device.type == "cuda"
-        try:
-            self.grad_bufs = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
-            self.param_bufs = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"TwinFlowAdam could not allocate {4 * chunk_bytes / 2**20:.1f} MiB of pinned host memory for its "
-                f"staging buffers (4 x {chunk_bytes} bytes); pass a smaller chunk_bytes to TwinFlowAdam"
-            ) from exc
-        self.pinned_bytes = 4 * chunk_bytes if self.cuda else 0
-        if self.cuda:
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
-            self.grad_ready = [torch.cuda.Event() for _ in range(2)]
-            self.upload_done = [torch.cuda.Event() for _ in range(2)]
-        else:
-            self.grad_ready = [_NoEvent() for _ in range(2)]
-            self.upload_done = [_NoEvent() for _ in range(2)]
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
 
-    @staticmethod
-    def view(buf: torch.Tensor, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return buf[byte_offset : byte_offset + numel * dtype.itemsize].view(dtype)
+    def event(self) -> torch.cuda.Event | NoEvent:
+        return torch.cuda.Event() if self.cuda else NoEvent()
 
     def d2h(self):
         return torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()
@@ -62,12 +43,32 @@ class Staging:
     def h2d(self):
         return torch.cuda.stream(self.h2d_stream) if self.cuda else contextlib.nullcontext()
 
-    def start_step(self) -> None:
-        """Downloads may start once everything queued so far (backward, clipping) has run."""
+    def current(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def after_compute(self) -> None:
+        """Downloads queued from now on start only after everything queued so far on the current stream."""
         if self.cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def finish_step(self) -> None:
-        """Work queued after step() (the next forward) waits for the uploaded weights."""
+    def compute_waits(self, event: torch.cuda.Event | NoEvent) -> None:
+        """Work queued from now on on the current stream waits for `event` (no host synchronisation)."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def pinned_buffers(sizes: list[int], pin: bool, what: str) -> list[torch.Tensor]:
+    """One uint8 host tensor per size, page-locked when `pin`; a failure says how much and what to lower."""
+    try:
+        return [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+    except RuntimeError as exc:
+        total = sum(sizes)
+        raise RuntimeError(
+            f"TwinFlowAdam could not allocate {total / 2**20:.1f} MiB of pinned host memory for {what} "
+            f"({len(sizes)} buffers); lower the ratio, or free pinned memory held elsewhere"
+        ) from exc
+
+
+def view(buf: torch.Tensor, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`numel` elements of `dtype` at `byte_offset` bytes into the uint8 buffer `buf`."""
+    return buf[byte_offset : byte_offset + numel * dtype.itemsize].view(dtype)

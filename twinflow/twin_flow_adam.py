@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from twinflow import ops
+from twinflow import tune
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_hyperparams
 from twinflow.partition import Segment, check_placement, check_ratio, split
-from twinflow.transfer import Staging
+from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
 
 log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ALIGN = 64  # bytes: every piece in a staging buffer starts on a cache line
+_UPCAST_ELEMENTS = 1 << 26  # device side: bf16/fp16 gradients are upcast at most this many elements at a time
 
 
 @dataclass
@@ -31,60 +33,25 @@ class _SegmentState:
     device_step: torch.Tensor | None = None  # device side: the fused kernel's step counter
 
 
-@dataclass
-class _Piece:
-    """Elements [a, b) of a CPU segment, staged at `offset` bytes in one chunk."""
-
-    state: _SegmentState
-    a: int
-    b: int
-    grad_offset: int
-    param_offset: int
-
-
-@dataclass
-class _KernelCall:
-    """One kernel call: the pieces of one chunk that belong to one param group."""
-
-    group: int
-    pieces: list[int]  # positions in the chunk
-    param_indices: list[int]
-    masters: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
-
-
-@dataclass
-class _Chunk:
-    """One chunk's pieces and the views that move and step them, built once and reused every step."""
-
-    pieces: list[_Piece]
-    grad_bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (param index, start, end)
-    param_dst: list[torch.Tensor] = field(default_factory=list)
-    grad_stage: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
-    param_stage: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
-    calls: list[_KernelCall] = field(default_factory=list)
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 class TwinFlowAdam(torch.optim.Optimizer):
     """Adam/AdamW with `ratio` of the parameter elements stepped on the CPU, the rest on the GPU.
 
     A drop-in for ``torch.optim.AdamW``. The split is exact to the element, in
     parameter order: ``placement="first"`` gives the CPU the first ``ratio`` of
     the elements, ``"last"`` the last (a tensor at the boundary is cut in two).
+    ``ratio="auto"`` chooses the ratio at the first ``step()`` from that
+    iteration's measured memory and times (see :mod:`twinflow.tune`).
     The CPU side keeps fp32 masters, ``exp_avg`` and ``exp_avg_sq`` in host
-    memory and updates them with twinflow's kernel; the device side runs torch's
-    fused Adam over fp32 masters. bf16/fp16 parameters keep fp32 masters on
-    both sides and receive the rounded result. Gradients cross to the host in
-    their own dtype, and weights return in the model's dtype, through two
-    pinned buffers per direction of ``chunk_bytes`` each; while the kernel
-    updates chunk k, chunk k+1 downloads and chunk k-1 uploads. The device step
-    is launched first and runs while the CPU works.
+    memory and updates them with twinflow's kernel on a worker thread; the
+    device side runs torch's fused Adam over fp32 masters. bf16/fp16
+    parameters keep fp32 masters on both sides and receive the rounded result.
 
+    Plain use (``step()`` after ``backward()``) moves the CPU share's gradients
+    down inside ``step()`` and returns once every weight is back. After
+    ``attach(model)``, gradients leave during backward, the CPU steps while
+    the GPU works, and the next forward waits only for the weights it uses.
+
+    ``max_grad_norm`` clips by one global norm inside ``step()``.
     ``state_dict()`` uses torch.optim's layout keyed by parameter index (with
     a ``master`` entry for low-precision parameters), so it loads under another
     ratio or placement and into ``torch.optim.AdamW``, and back.
@@ -99,26 +66,47 @@ class TwinFlowAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw_mode: bool = True,
         bias_correction: bool = True,
-        ratio: float = 0.4,
+        ratio: float | str = 0.4,
         placement: str = "first",
         *,
         chunk_bytes: int = 32 << 20,
         num_threads: int | None = None,
+        max_grad_norm: float | None = None,
+        memory_margin: float = 0.1,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
-        self.ratio = check_ratio(ratio)
+        self.auto_ratio = ratio == "auto"
+        self.ratio = None if self.auto_ratio else check_ratio(ratio)
         self.placement = check_placement(placement)
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 4 * _ALIGN:
-            raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= {4 * _ALIGN}")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 256:
+            raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= 256")
+        if max_grad_norm is not None and not (float(max_grad_norm) > 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}; expected a number > 0, or None for no clipping")
         super().__init__(params, defaults)
         self.chunk_bytes = chunk_bytes
         self.num_threads = num_threads
+        self.max_grad_norm = max_grad_norm
+        self.memory_margin = memory_margin
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._group_of = [gi for gi, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._check_params()
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._steps = [0] * len(self._params)
-        self._build_state()
+        self.sync_gradients = True
+        self.released_grad_bytes = 0  # GPU gradient memory handed back during the last backward
+        self.auto_decision: dict[str, Any] | None = None
+        self._model: torch.nn.Module | None = None
+        self._attach_options: dict[str, Any] = {}
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self._hook_norms: list[torch.Tensor] = []
+        self._clip_coef: torch.Tensor | None = None
+        self._pipeline: HostPipeline | None = None
+        self._unwaited: list[int] = []
+        self._probe = tune.IterationProbe(self.device) if self.auto_ratio else None
+        if not self.auto_ratio:
+            self._build_state()
 
     # ----------------------------------------------------------------- set-up
     def _check_params(self) -> None:
@@ -154,10 +142,19 @@ class TwinFlowAdam(torch.optim.Optimizer):
                     st = _SegmentState(seg, master, torch.zeros_like(master), torch.zeros_like(master), step)
                     self._dev.append(st)
                 self._segments_of[seg.index].append(st)
-        self._staging = Staging(self.device, self.chunk_bytes) if self._cpu else None
-        self._plan_cache: tuple[tuple, list[_Chunk]] | None = None
+        self._fully_cpu = {i for i, sts in enumerate(self._segments_of) if sts and all(s.seg.on_cpu for s in sts)}
+        if self._cpu:
+            host = [
+                HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq) for s in self._cpu
+            ]
+            self._pipeline = HostPipeline(
+                self._params, self._group_of, host, self.chunk_bytes, self.device, self.num_threads
+            )
+            weakref.finalize(self, self._pipeline.close)
         self.split_summary = self._summarise()
         log.info("TwinFlowAdam split: %s", self.split_summary)
+        if self._model is not None:
+            self._install_hooks()
 
     def _summarise(self) -> dict[str, Any]:
         def side(states: list[_SegmentState]) -> dict[str, int]:
@@ -169,202 +166,331 @@ class TwinFlowAdam(torch.optim.Optimizer):
         cpu, dev = side(self._cpu), side(self._dev)
         total = cpu["elements"] + dev["elements"]
         return {
-            "ratio_requested": self.ratio,
+            "ratio_requested": "auto" if self.auto_ratio else self.ratio,
             "ratio_achieved": cpu["elements"] / total if total else 0.0,
             "placement": self.placement,
             "cpu": cpu,
             "device": dev | {"device": str(self.device)},
-            "pinned_bytes": self._staging.pinned_bytes if self._staging else 0,
+            "pinned_bytes": self._pipeline.pinned_bytes if self._pipeline else 0,
+            "chunks": len(self._pipeline.chunks) if self._pipeline else 0,
         }
 
-    # ------------------------------------------------------------------- step
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips all gradients (both sides) by one global norm; no host synchronisation.
+    # ---------------------------------------------------------------- overlap
+    def attach(self, model: torch.nn.Module, *, release_grads: bool = True, eager: bool | None = None) -> TwinFlowAdam:
+        """Overlaps the CPU share with the model's backward and next forward.
 
-        Returns the total norm, as ``torch.nn.utils.clip_grad_norm_`` does.
+        - Each CPU-owned gradient is copied to the host as soon as backward
+          has finished it (a post-accumulate-grad hook); with
+          ``release_grads`` the GPU memory of a gradient wholly owned by the
+          CPU is handed back once the copy is queued.
+        - ``eager`` (default: on unless ``max_grad_norm`` is set or the model
+          is fp16) lets the CPU step chunks while backward still runs. It
+          needs every gradient to be final when backward delivers it: no
+          ``clip_grad_norm_`` afterwards (pass ``max_grad_norm`` instead,
+          which waits for the global norm) and no overflow skipping.
+        - The next forward waits, module by module, only for the weights it
+          is about to use (a forward pre-hook per module that owns
+          CPU-stepped parameters); parameters that no module of `model`
+          owns are waited for at the end of ``step()``.
+
+        With gradient accumulation, run every backward but the last of a
+        window inside ``with optimizer.no_sync():``.
         """
-        return torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type, foreach=True)
+        if self._model is not None:
+            raise RuntimeError("TwinFlowAdam.attach() was already called; call detach() first")
+        fp16 = any(p.dtype == torch.float16 for p in self._params)
+        if eager is None:
+            eager = self.max_grad_norm is None and not fp16
+        elif eager and (self.max_grad_norm is not None or fp16):
+            raise ValueError(
+                "eager=True cannot be combined with max_grad_norm or fp16 parameters: both need every gradient "
+                "before any update; leave eager unset"
+            )
+        self._model = model
+        self._attach_options = {"release_grads": release_grads, "eager": eager}
+        if self.num_threads is None:
+            # One core stays with the Python thread that launches the GPU work.
+            self.num_threads = max(1, torch.get_num_threads() - 1)
+            if self._pipeline is not None:
+                self._pipeline.num_threads = self.num_threads
+        if self._probe is not None:
+            self._probe.attach(model)
+        if self.ratio is not None:
+            self._install_hooks()
+        return self
+
+    def _install_hooks(self) -> None:
+        model, pipeline = self._model, self._pipeline
+        if pipeline is None:
+            return
+        for i in pipeline.pieces_of:
+            self._handles.append(self._params[i].register_post_accumulate_grad_hook(self._on_grad))
+        covered: set[int] = set()
+        for module in model.modules():
+            chunk_ids = sorted(
+                {k for p in module.parameters(recurse=False) if id(p) in self._index
+                 for k in pipeline.chunks_of.get(self._index[id(p)], [])}
+            )  # fmt: skip
+            if chunk_ids:
+                covered.update(chunk_ids)
+                self._handles.append(module.register_forward_pre_hook(_WaitFor(pipeline, chunk_ids)))
+        self._unwaited = [k for k in range(len(pipeline.chunks)) if k not in covered]
+        if self._unwaited:
+            log.warning("%d chunks hold parameters no module of the attached model owns", len(self._unwaited))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
+
+    def detach(self) -> None:
+        """Removes the hooks of ``attach()``; steps are plain again."""
+        self.synchronize()
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._model = [], None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of backward passes inside accumulate on the GPU and are not streamed (DDP's ``no_sync``)."""
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: the gradient of a CPU-stepped parameter is final; send it down."""
+        if not self.sync_gradients or p.grad is None:
+            return
+        i = self._index[id(p)]
+        pipeline = self._pipeline
+        if pipeline.phase != "open":
+            pipeline.open(self._step_args() if self._attach_options["eager"] else None)
+            self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
+        grad = p.grad
+        if not self._attach_options["eager"]:
+            self._hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
+        release = self._attach_options["release_grads"] and i in self._fully_cpu
+        pipeline.download(i, grad, release=release)
+        self._hooked.add(i)
+        if release:
+            self.released_grad_bytes += grad.numel() * grad.element_size()
+            p.grad = None
+
+    def synchronize(self) -> None:
+        """Waits until every weight of the last step is back on the device (the current stream sees it)."""
+        if self._pipeline is not None and self._pipeline.phase != "open":
+            self._pipeline.finish()
+
+    # ------------------------------------------------------------------- step
+    def _step_args(self) -> StepArgs:
+        groups = []
+        for group in self.param_groups:
+            check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            beta1, beta2 = group["betas"]
+            groups.append(
+                dict(
+                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+                    bias_correction=bool(group["bias_correction"]),
+                )
+            )  # fmt: skip
+        return StepArgs(groups=groups, steps=[s + 1 for s in self._steps])
+
+    def _grads_not_streamed(self, with_grad: list[int]) -> list[torch.Tensor]:
+        return [self._params[i].grad for i in with_grad if i not in self._hooked and self._params[i].grad is not None]
+
+    def _norms(self, with_grad: list[int], norm_type: float) -> list[torch.Tensor]:
+        """Per-gradient norms: those taken in backward hooks, and those of the gradients still on the GPU."""
+        if self._hooked and norm_type != 2.0:
+            raise ValueError(
+                f"norm_type={norm_type!r}: after attach(), gradients streamed in backward are measured by their "
+                "2-norm; use norm_type=2.0"
+            )
+        grads = self._grads_not_streamed(with_grad)
+        return list(self._hook_norms) + (list(torch._foreach_norm(grads, norm_type)) if grads else [])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips all gradients (both sides) by one global norm, in the coming ``step()``; no host synchronisation.
+
+        Returns the total norm, as ``torch.nn.utils.clip_grad_norm_`` does. The
+        gradients are scaled as they are consumed: the device side multiplies
+        its fp32 gradients, the CPU kernel multiplies as it reads.
+        """
+        if self._hooked and self._attach_options.get("eager"):
+            raise RuntimeError(
+                "clip_grad_norm_ after an eager overlapped backward: the CPU share has already stepped with "
+                "unclipped gradients. Pass max_grad_norm= to TwinFlowAdam (the CPU then waits for the norm)"
+            )
+        with_grad = self._with_grad()
+        norms = self._norms(with_grad, float(norm_type))
+        if not norms:
+            return torch.tensor(0.0, device=self.device)
+        total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), float(norm_type))
+        self._clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        return total
+
+    def _with_grad(self) -> list[int]:
+        return [i for i, p in enumerate(self._params) if p.grad is not None or i in self._hooked]
 
     def _overflow(self, with_grad: list[int]) -> bool:
         """For fp16 models: any inf/NaN gradient on either side (one host synchronisation)."""
         if not any(self._params[i].dtype == torch.float16 for i in with_grad):
             return False
-        grads = [self._params[i].grad for i in with_grad]
-        found = torch.stack([torch.logical_not(torch.isfinite(n)) for n in torch._foreach_norm(grads)]).any()
-        return bool(found.item())
+        norms = self._norms(with_grad, 2.0)
+        return bool(torch.logical_not(torch.isfinite(torch.stack([n.to(self.device) for n in norms]))).any())
+
+    def _cpu_scale(self) -> float | Callable[[], float]:
+        """The clipping coefficient as the CPU worker will read it (blocking until the GPU has it)."""
+        if self._clip_coef is None:
+            return 1.0
+        if self.device.type != "cuda":
+            return float(self._clip_coef)
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(self._clip_coef, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return lambda: (ready.synchronize(), float(host))[1]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step on both sides; returns when both are done (device work in stream order)."""
+        """One step on both sides.
+
+        Plain: returns once every weight is back (device work in stream
+        order). After ``attach()``: returns once the device step is queued;
+        the CPU share finishes in the background and the next forward waits
+        for what it uses.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        with_grad = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if self.ratio is None:
+            self._choose_ratio()
+        pipeline = self._pipeline
+        if pipeline is not None and pipeline.phase != "open":
+            pipeline.open()
+            self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
+        with_grad = self._with_grad()
         for i in with_grad:
-            if self._params[i].grad.is_sparse:
+            g = self._params[i].grad
+            if g is not None and g.is_sparse:
+                if pipeline is not None:
+                    pipeline.reset()
                 raise TypeError(f"parameter {i} has a sparse gradient; TwinFlowAdam needs dense gradients")
+        if pipeline is not None:
+            for i in with_grad:
+                if i in pipeline.pieces_of and not pipeline.downloaded(i):
+                    pipeline.download(i, self._params[i].grad)
         if self._overflow(with_grad):
             log.warning("inf/NaN gradient in an fp16 model: step skipped on both sides")
             self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+            if pipeline is not None:
+                pipeline.discard()
+            self._end_step()
             return loss
+        if self.max_grad_norm is not None and self._clip_coef is None:
+            self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+        if pipeline is not None:
+            args = self._step_args()
+            args.scale = self._cpu_scale()
+            pipeline.seal(args)
         has_grad = set(with_grad)
-        cpu_states = [st for st in self._cpu if st.seg.index in has_grad]
-        if cpu_states:
-            # Before the device step is queued: downloads wait for backward, not for the GPU's Adam.
-            self._staging.start_step()
         self._step_device([st for st in self._dev if st.seg.index in has_grad])
-        self._step_cpu(cpu_states)
         for i in with_grad:
             self._steps[i] += 1
+        if pipeline is not None:
+            if self._model is None:
+                pipeline.finish()
+            elif self._unwaited:
+                pipeline.wait(self._unwaited)
+        self._end_step()
         return loss
 
+    def _end_step(self) -> None:
+        self._clip_coef = None
+        self._hook_norms, self._hooked = [], set()
+
+    def _choose_ratio(self) -> None:
+        """ratio="auto": measure, decide, build the state (first step only)."""
+        self.auto_decision = self._probe.decide(
+            self._params,
+            placement=self.placement,
+            eager=self._model is not None and self._attach_options.get("eager", False),
+            release_grads=self._model is not None and self._attach_options.get("release_grads", False),
+            margin=self.memory_margin,
+            num_threads=self.num_threads,
+        )
+        self.ratio = self.auto_decision["ratio"]
+        self._probe.detach()
+        log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)
+        self._build_state()
+
     def _step_device(self, states: list[_SegmentState]) -> None:
-        """Launches torch's fused Adam over the device-side masters, one launch per param group."""
+        """Launches torch's fused Adam over the device-side masters, one launch per param group and batch.
+
+        bf16/fp16 gradients are upcast to fp32 at most _UPCAST_ELEMENTS at a
+        time, so the temporary memory stays small.
+        """
         by_group: dict[int, list[_SegmentState]] = {}
         for st in states:
             by_group.setdefault(self._group_of[st.seg.index], []).append(st)
         for gi, group_states in by_group.items():
-            group = self.param_groups[gi]
-            grads = []
+            batch: list[_SegmentState] = []
+            upcast = 0
             for st in group_states:
-                g = self._params[st.seg.index].grad.reshape(-1)[st.seg.start : st.seg.end]
-                grads.append(g if g.dtype == torch.float32 else g.float())
-            masters = [st.master for st in group_states]
-            exp_avgs = [st.exp_avg for st in group_states]
-            exp_avg_sqs = [st.exp_avg_sq for st in group_states]
-            steps = [st.device_step for st in group_states]
-            beta1, beta2 = group["betas"]
-            torch._foreach_add_(steps, 1)  # the fused kernels read the step after this update
-            if group["bias_correction"]:
-                fused = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
-                fused(
-                    masters, grads, exp_avgs, exp_avg_sqs, [], steps,
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                    eps=group["eps"], amsgrad=False, maximize=False,
-                )  # fmt: skip
-            else:
-                _foreach_adam_no_bias_correction(masters, grads, exp_avgs, exp_avg_sqs, group)
-            low = [(st, m) for st, m in zip(group_states, masters) if self._params[st.seg.index].dtype != m.dtype]
-            if low:
-                dst = [self._params[st.seg.index].detach().view(-1)[st.seg.start : st.seg.end] for st, _ in low]
-                torch._foreach_copy_(dst, [m for _, m in low])
+                low = self._params[st.seg.index].grad.dtype != torch.float32
+                if batch and low and upcast + st.seg.numel > _UPCAST_ELEMENTS:
+                    self._step_device_batch(gi, batch)
+                    batch, upcast = [], 0
+                batch.append(st)
+                upcast += st.seg.numel if low else 0
+            if batch:
+                self._step_device_batch(gi, batch)
 
-    def _plan_chunks(self, states: list[_SegmentState]) -> list[list[_Piece]]:
-        """Packs the CPU segments' elements, in order, into chunks that fit the staging buffers."""
-        chunks: list[list[_Piece]] = []
-        current: list[_Piece] = []
-        grad_used = param_used = 0
+    def _step_device_batch(self, gi: int, states: list[_SegmentState]) -> None:
+        group = self.param_groups[gi]
+        grads = []
         for st in states:
-            p = self._params[st.seg.index]
-            gsize, psize = p.grad.element_size(), p.element_size()
-            a = 0
-            while a < st.seg.numel:
-                room = min((self.chunk_bytes - grad_used) // gsize, (self.chunk_bytes - param_used) // psize)
-                if room <= 0:
-                    chunks.append(current)
-                    current, grad_used, param_used = [], 0, 0
-                    continue
-                b = min(st.seg.numel, a + room)
-                current.append(_Piece(st, a, b, grad_used, param_used))
-                grad_used += _aligned((b - a) * gsize)
-                param_used += _aligned((b - a) * psize)
-                a = b
-        if current:
-            chunks.append(current)
-        return chunks
-
-    def _chunk_plan(self, states: list[_SegmentState]) -> list[_Chunk]:
-        """The chunks and every view they need; rebuilt only when the set of gradients or dtypes changes."""
-        key = tuple((st.seg.index, st.seg.start, self._params[st.seg.index].grad.dtype) for st in states)
-        if self._plan_cache is not None and self._plan_cache[0] == key:
-            return self._plan_cache[1]
-        staging = self._staging
-        plan = []
-        for pieces in self._plan_chunks(states):
-            chunk = _Chunk(pieces=pieces)
-            for pc in pieces:
-                seg, p = pc.state.seg, self._params[pc.state.seg.index]
-                n, gdtype = pc.b - pc.a, p.grad.dtype
-                chunk.grad_bounds.append((seg.index, seg.start + pc.a, seg.start + pc.b))
-                chunk.param_dst.append(p.detach().view(-1)[seg.start + pc.a : seg.start + pc.b])
-                for buf in range(2):
-                    chunk.grad_stage[buf].append(Staging.view(staging.grad_bufs[buf], pc.grad_offset, n, gdtype))
-                    chunk.param_stage[buf].append(Staging.view(staging.param_bufs[buf], pc.param_offset, n, p.dtype))
-            by_group: dict[int, list[int]] = {}
-            for j, pc in enumerate(pieces):
-                by_group.setdefault(self._group_of[pc.state.seg.index], []).append(j)
-            for gi, idx in by_group.items():
-                chunk.calls.append(
-                    _KernelCall(
-                        group=gi,
-                        pieces=idx,
-                        param_indices=[pieces[j].state.seg.index for j in idx],
-                        masters=[pieces[j].state.master[pieces[j].a : pieces[j].b] for j in idx],
-                        exp_avgs=[pieces[j].state.exp_avg[pieces[j].a : pieces[j].b] for j in idx],
-                        exp_avg_sqs=[pieces[j].state.exp_avg_sq[pieces[j].a : pieces[j].b] for j in idx],
-                    )
-                )
-            plan.append(chunk)
-        self._plan_cache = (key, plan)
-        return plan
-
-    def _step_cpu(self, states: list[_SegmentState]) -> None:
-        """Download gradients, step on the CPU, upload weights: chunk by chunk, double-buffered."""
-        if not states:
-            return
-        st = self._staging
-        chunks = self._chunk_plan(states)  # the caller has already ordered downloads after backward
-        grads = [p.grad.reshape(-1) if p.grad is not None else None for p in self._params]
-
-        def download(k: int) -> None:
-            chunk, buf = chunks[k], k % 2
-            with st.d2h():
-                sources = [grads[i][a:b] for i, a, b in chunk.grad_bounds]
-                torch._foreach_copy_(chunk.grad_stage[buf], sources, non_blocking=True)
-                st.grad_ready[buf].record()
-
-        for k in range(min(2, len(chunks))):
-            download(k)
-        for k, chunk in enumerate(chunks):
-            buf = k % 2
-            st.grad_ready[buf].synchronize()  # chunk k is on the host
-            st.upload_done[buf].synchronize()  # chunk k-2's weights have left this upload buffer
-            for call in chunk.calls:
-                self._kernel(call, chunk.grad_stage[buf], chunk.param_stage[buf])
-            with st.h2d():
-                torch._foreach_copy_(chunk.param_dst, chunk.param_stage[buf], non_blocking=True)
-                st.upload_done[buf].record()
-            if k + 2 < len(chunks):
-                download(k + 2)  # the kernel is done with this gradient buffer
-        st.finish_step()
-
-    def _kernel(self, call: _KernelCall, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Runs the CPU kernel over the pieces of one param group in one chunk."""
-        group = self.param_groups[call.group]
+            g = self._params[st.seg.index].grad.reshape(-1)[st.seg.start : st.seg.end]
+            grads.append(g if g.dtype == torch.float32 else g.float())
+        if self._clip_coef is not None:
+            torch._foreach_mul_(grads, self._clip_coef)
+        masters = [st.master for st in states]
+        exp_avgs = [st.exp_avg for st in states]
+        exp_avg_sqs = [st.exp_avg_sq for st in states]
+        steps = [st.device_step for st in states]
         beta1, beta2 = group["betas"]
-        ops.adam_step_(
-            call.masters,
-            [grads[j] for j in call.pieces],
-            call.exp_avgs,
-            call.exp_avg_sqs,
-            [self._steps[i] + 1 for i in call.param_indices],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adamw_mode=group["adamw_mode"],
-            bias_correction=group["bias_correction"],
-            out_copies=[outs[j] for j in call.pieces],
-            num_threads=self.num_threads,
-        )
+        torch._foreach_add_(steps, 1)  # the fused kernels read the step after this update
+        if group["bias_correction"]:
+            fused = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
+            fused(
+                masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                eps=group["eps"], amsgrad=False, maximize=False,
+            )  # fmt: skip
+        else:
+            _foreach_adam_no_bias_correction(masters, grads, exp_avgs, exp_avg_sqs, group)
+        low = [(st, m) for st, m in zip(states, masters) if self._params[st.seg.index].dtype != m.dtype]
+        if low:
+            dst = [self._params[st.seg.index].detach().view(-1)[st.seg.start : st.seg.end] for st, _ in low]
+            torch._foreach_copy_(dst, [m for _, m in low])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim's; also forgets gradients already streamed to the host for a step not yet taken."""
+        if self._pipeline is not None and self._pipeline.phase == "open":
+            self._pipeline.reset()
+            self._end_step()
+        super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state
+    def _require_state(self) -> None:
+        if self.ratio is None:
+            raise RuntimeError("ratio='auto' is decided at the first step(); there is no state before it")
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (+ ``master``), on the CPU."""
+        self._require_state()
+        self.synchronize()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for i, p in enumerate(self._params):
             if self._steps[i] == 0:
@@ -393,6 +519,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
         Everything is checked before anything changes.
         """
+        self._require_state()
+        self.synchronize()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(groups)} param groups; this optimizer has {len(self.param_groups)}")
@@ -437,6 +565,16 @@ class TwinFlowAdam(torch.optim.Optimizer):
                         st.device_step.fill_(self._steps[i])
                 if entry is not None and "master" in entry:  # the model's weights follow the masters
                     p.detach().copy_(entry["master"].view(p.shape))
+
+
+class _WaitFor:
+    """Forward pre-hook: the module's CPU-stepped weights must be back before it runs."""
+
+    def __init__(self, pipeline: HostPipeline, chunk_ids: list[int]) -> None:
+        self.pipeline, self.chunk_ids = pipeline, chunk_ids
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.pipeline.wait(self.chunk_ids)
 
 
 def _foreach_adam_no_bias_correction(

@@ -1,0 +1,266 @@
+"""attach(): gradients streamed in backward, CPU steps overlapped, per-module waits in the next forward.
+
+The overlapped path must give the losses of the plain path of TwinFlowAdam
+(same seed, fp32 masters), with and without clipping, accumulation and
+activation checkpointing, on the CPU (the "device" side on the CPU too, the
+worker thread writing the model's weights) and on CUDA.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from twinflow import TwinFlowAdam
+from twinflow.pipeline import plan_chunks
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 2 * dim)
+        self.fc2 = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    """Input projection, residual blocks, and an output projection tied to the input's weight."""
+
+    def __init__(self, din: int = 12, dim: int = 32, depth: int = 4, ckpt: str = "none") -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(din, dim, bias=False)
+        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.ckpt == "none":
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.ckpt == "reentrant")
+        return F.linear(self.norm(h), self.inp.weight.t())  # tied: used again outside its module
+
+
+def make(device: str, dtype: torch.dtype, ckpt: str = "none", seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net(ckpt=ckpt).to(device=device, dtype=dtype)
+
+
+def train(
+    model: Net, opt: TwinFlowAdam, steps: int, seed: int, accumulate: int = 1, clip_method: bool = False
+) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    device, dtype = model.inp.weight.device, model.inp.weight.dtype
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for micro in range(accumulate):
+            x = torch.randn(8, 12, generator=gen).to(device, dtype)
+            y = torch.randn(8, 12, generator=gen).to(device, dtype)
+            loss = F.mse_loss(model(x).float(), y.float()) / accumulate
+            if micro + 1 < accumulate:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.item()
+        if clip_method:
+            opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    opt.synchronize()
+    return losses
+
+
+def pair(device, dtype, ratio, placement, ckpt="none", **kw) -> tuple[Net, TwinFlowAdam, Net, TwinFlowAdam]:
+    plain, over = make(device, dtype, ckpt), make(device, dtype, ckpt)
+    kw = dict(lr=3e-3, weight_decay=0.01, ratio=ratio, placement=placement, chunk_bytes=1024) | kw
+    opt_plain = TwinFlowAdam(plain.parameters(), **kw)
+    opt_over = TwinFlowAdam(over.parameters(), **kw).attach(over)
+    return plain, opt_plain, over, opt_over
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, exact: bool) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        if exact:
+            assert torch.equal(pa, pb), name
+        else:
+            torch.testing.assert_close(pa.float(), pb.float(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", ["first", "last"])
+@pytest.mark.parametrize("ratio", [0.4, 1.0])
+@pytest.mark.parametrize("ckpt", ["none", "reentrant", "non_reentrant"])
+def test_eager_overlap_gives_the_plain_losses(device: str, ratio: float, placement: str, ckpt: str) -> None:
+    """50 steps, fp32 masters (bf16 weights on CUDA): the same losses and weights, bit for bit."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    plain, opt_plain, over, opt_over = pair(device, dtype, ratio, placement, ckpt)
+    assert opt_over._attach_options["eager"]
+    assert train(over, opt_over, 50, seed=1) == train(plain, opt_plain, 50, seed=1)
+    assert_same_weights(over, plain, exact=True)
+    assert opt_over.released_grad_bytes > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip_method", [False, True])
+def test_clipped_overlap_matches_plain(device: str, clip_method: bool) -> None:
+    """Clipping waits for the global norm (max_grad_norm, or clip_grad_norm_ once the CPU waits for it)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kw = {} if clip_method else {"max_grad_norm": 0.05}
+    plain, opt_plain, over, opt_over = pair(device, dtype, 0.5, "last", **kw)
+    if clip_method:  # the CPU must not step before the norm: eager off
+        opt_over.detach()
+        opt_over.attach(over, eager=False)
+    assert not opt_over._attach_options["eager"]
+    losses_over = train(over, opt_over, 30, seed=2, clip_method=clip_method)
+    losses_plain = train(plain, opt_plain, 30, seed=2, clip_method=clip_method)
+    assert losses_over == pytest.approx(losses_plain, rel=1e-5)
+    assert_same_weights(over, plain, exact=False)
+    # the clip really acted: an unclipped run ends elsewhere
+    free = make(device, dtype)
+    train(free, TwinFlowAdam(free.parameters(), lr=3e-3, weight_decay=0.01, ratio=0.5), 30, seed=2)
+    assert not torch.allclose(free.inp.weight.float(), over.inp.weight.float(), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulation_streams_only_the_closing_micro_step(device: str) -> None:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    plain, opt_plain, over, opt_over = pair(device, dtype, 0.6, "first")
+    assert train(over, opt_over, 10, seed=3, accumulate=4) == train(plain, opt_plain, 10, seed=3, accumulate=4)
+    assert_same_weights(over, plain, exact=True)
+
+
+def test_second_backward_without_no_sync_is_refused() -> None:
+    model = make("cpu", torch.float32)
+    _opt = TwinFlowAdam(model.parameters(), ratio=1.0, chunk_bytes=1024).attach(model)
+    x = torch.randn(4, 12)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twice in one step.*no_sync"):
+        model(x).sum().backward()
+
+
+def test_clip_after_eager_backward_is_refused_with_the_fix() -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=1024).attach(model)
+    model(torch.randn(4, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="max_grad_norm="):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="eager=True cannot be combined"):
+        TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0).attach(make("cpu", torch.float32), eager=True)
+
+
+def test_released_gradients_are_gone_and_counted() -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, placement="first", chunk_bytes=1024).attach(model)
+    model(torch.randn(4, 12)).sum().backward()
+    fully_cpu = opt._fully_cpu
+    params = list(model.parameters())
+    assert fully_cpu and all(params[i].grad is None for i in fully_cpu)
+    assert all(p.grad is not None for i, p in enumerate(params) if i not in fully_cpu)
+    assert opt.released_grad_bytes == sum(params[i].numel() * 4 for i in fully_cpu)
+    opt.step()
+    opt.synchronize()
+
+
+def test_plan_chunks_covers_every_element_once() -> None:
+    from twinflow.pipeline import HostSegment
+
+    gen = torch.Generator().manual_seed(4)
+    sizes = torch.randint(1, 300, (20,), generator=gen).tolist()
+    segs = [HostSegment(i, 0, n, None, None, None) for i, n in enumerate(sizes)]
+    itemsizes = [2 if i % 3 else 4 for i in range(len(sizes))]
+    plans = plan_chunks(segs, itemsizes, 256)
+    seen = {i: [] for i in range(len(sizes))}
+    for plan in plans:
+        end = 0
+        for pos, a, b, offset in plan:
+            assert offset >= end and offset % 64 == 0 and offset + (b - a) * itemsizes[pos] <= 256
+            end = offset + (b - a) * itemsizes[pos]
+            seen[pos].append((a, b))
+    for i, n in enumerate(sizes):
+        assert [x for r in seen[i] for x in r] == [0] + [x for r in seen[i][:-1] for x in (r[1], r[1])] + [n]
+
+
+# ---------------------------------------------------------------- CUDA only
+class Elementwise(torch.nn.Module):
+    """Little arithmetic per byte: each layer scales and shifts a large vector, so forward outruns the CPU."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Scale(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w + self.b
+
+
+def race(ratio: float, placement: str) -> None:
+    torch.manual_seed(5)
+    models = [Elementwise(1 << 18, 8).cuda().bfloat16() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [
+        TwinFlowAdam(m.parameters(), lr=1e-2, ratio=ratio, placement=placement, chunk_bytes=64 << 10) for m in models
+    ]
+    opts[1].attach(models[1])
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(6):
+        x = torch.randn(2, 1 << 18, device="cuda", generator=gen).bfloat16()
+        outs = []
+        for m, opt in zip(models, opts):
+            out = m(x)
+            outs.append(out.float().clone())
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(outs[0], outs[1]), "the overlapped forward read other weights than the plain one"
+    opts[1].synchronize()
+    assert_same_weights(models[1], models[0], exact=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", ["first", "last"])
+def test_race_forward_waits_for_uploaded_weights(placement: str) -> None:
+    race(0.75, placement)
+
+
+@pytest.mark.cuda
+def test_race_test_fails_without_the_forward_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinflow import twin_flow_adam
+
+    monkeypatch.setattr(twin_flow_adam._WaitFor, "__call__", lambda self, module, args: None)
+    with pytest.raises(AssertionError):
+        race(0.75, "first")
+
+
+@pytest.mark.cuda
+def test_released_gradients_lower_gpu_memory() -> None:
+    torch.manual_seed(7)
+    model = Elementwise(1 << 20, 8).cuda().bfloat16()
+    opt = TwinFlowAdam(model.parameters(), ratio=1.0, chunk_bytes=1 << 20).attach(model)
+    x = torch.randn(1, 1 << 20, device="cuda").bfloat16()
+    model(x).float().sum().backward()
+    torch.cuda.synchronize()
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.released_grad_bytes == sum(p.numel() * 2 for p in model.parameters())
+    opt.step()
+    opt.synchronize()

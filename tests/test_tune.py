@@ -1,0 +1,83 @@
+"""ratio="auto": the choice from measured inputs (pure), and the optimizer deciding at its first step."""
+
+import pytest
+import torch
+
+from twinflow import TwinFlowAdam
+from twinflow.tune import Inputs, choose_ratio, predict_peak, predict_time
+
+GIB = 1 << 30
+
+
+def inputs(**kw) -> Inputs:
+    base = dict(
+        elements=2_650_000_000,
+        grad_bytes=2 * 2_650_000_000,
+        state_bytes_per_element=12.0,
+        temp_bytes=GIB // 4,
+        first_peak_bytes=13 * GIB,
+        budget_bytes=70 * GIB,
+        forward_s=0.05,
+        backward_s=0.15,
+        cpu_elements_per_s=4.3e9,
+        gpu_elements_per_s=80e9,
+        pcie_bytes_per_s=54e9,
+    )
+    return Inputs(**(base | kw))
+
+
+@pytest.mark.parametrize("budget_gib", [16, 24, 30, 45, 70])
+@pytest.mark.parametrize("placement", ["first", "last"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_choice_fits_the_budget_and_is_fastest_among_fitting(budget_gib: int, placement: str, eager: bool) -> None:
+    x = inputs(budget_bytes=budget_gib * GIB)
+    d = choose_ratio(x, placement, overlap=True, eager=eager)
+    assert predict_peak(x, d["ratio"]) <= x.budget_bytes
+    fitting = [r / 100 for r in range(101) if predict_peak(x, r / 100) <= x.budget_bytes]
+    best = min(predict_time(x, r, placement, True, eager) for r in fitting)
+    assert d["predicted_time_s"] <= best * 1.02 + 1e-12
+    # the largest ratio among the near-fastest: no ratio above it is as fast
+    above = [r for r in fitting if r > d["ratio"]]
+    assert all(predict_time(x, r, placement, True, eager) > best * 1.02 for r in above)
+
+
+def test_tight_memory_forces_a_high_ratio_and_plenty_allows_a_low_one() -> None:
+    tight = choose_ratio(inputs(budget_bytes=16 * GIB), "last", overlap=True, eager=True)
+    roomy = choose_ratio(inputs(budget_bytes=200 * GIB, cpu_elements_per_s=1e9), "last", overlap=True, eager=True)
+    assert tight["ratio"] >= 0.9
+    assert roomy["ratio"] < 0.2
+
+
+def test_nothing_fits_chooses_everything_on_the_cpu() -> None:
+    d = choose_ratio(inputs(budget_bytes=GIB), "first", overlap=False, eager=False)
+    assert d["ratio"] == 1.0
+
+
+def test_eager_last_hides_more_cpu_work_than_first() -> None:
+    x = inputs()
+    assert predict_time(x, 0.4, "last", True, True) < predict_time(x, 0.4, "first", True, True)
+    assert predict_time(x, 0.4, "last", True, True) < predict_time(x, 0.4, "last", True, False)
+
+
+def test_optimizer_decides_at_first_step_and_then_matches_adamw() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio="auto", chunk_bytes=1024).attach(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    with pytest.raises(RuntimeError, match="decided at the first step"):
+        opt.state_dict()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    d = opt.auto_decision
+    assert d is not None and 0.0 <= opt.ratio <= 1.0 and opt.split_summary["ratio_requested"] == "auto"
+    assert d["inputs"]["forward_s"] > 0 and d["inputs"]["cpu_elements_per_s"] > 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,363 @@
+"""The CPU side of TwinFlowAdam: gradients down, the kernel on a worker thread, weights up.
+
+The CPU-owned elements, in parameter order, are cut once into chunks of at
+most ``chunk_bytes`` of gradient, each with its own pinned host buffer. A
+gradient lands in its chunk's buffer; the kernel updates the fp32 masters and
+moments from it and writes the rounded weights back into the same buffer, in
+place (each element's gradient is read before its weight is written), and
+the upload reads them from there. So the pinned memory is the CPU share's
+gradient, and nothing waits for a staging buffer to come free.
+
+One step:
+
+1. ``open()``; then ``download(i)`` for each parameter with a CPU share, from
+   a post-accumulate-grad hook during backward or from ``step()``: copies on
+   the download stream, queued after the gradient's producer.
+2. A chunk whose parameters are all down (or declared gradient-less by
+   ``seal()``) is ready. The worker thread runs ready chunks, lowest index
+   first (the next forward needs the first parameters first), once the step
+   is released: at ``open()`` in eager mode, else at ``seal()``, which also
+   carries the clipping coefficient.
+3. The worker uploads each chunk on the upload stream and records its event.
+4. ``wait(chunks)`` makes the compute stream wait for those chunks (the next
+   forward's pre-hooks call it); ``finish()`` waits for all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from twinflow import ops
+from twinflow.transfer import Streams, pinned_buffers, view
+
+_ALIGN = 64  # bytes: every piece in a chunk buffer starts on a cache line
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class HostSegment:
+    """Elements [start, end) of parameter `index`, stepped on the CPU, and their fp32 state."""
+
+    index: int
+    start: int
+    end: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass
+class StepArgs:
+    """What the kernel needs for one step, fixed when the step is released."""
+
+    groups: list[dict]  # per param group: lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction
+    steps: list[int]  # per parameter: its step count after this update
+    scale: float | Callable[[], float] = 1.0  # gradient multiplier (clipping); a callable may block
+
+
+@dataclass
+class _Piece:
+    param: int
+    start: int  # element range in the flattened parameter
+    end: int
+    host: torch.Tensor  # staged gradient in, rounded weight out; the parameter's dtype
+    dst: torch.Tensor  # the parameter's elements [start, end)
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+@dataclass
+class _Chunk:
+    buffer: torch.Tensor
+    pieces: list[_Piece] = field(default_factory=list)
+    params: list[int] = field(default_factory=list)  # distinct, in order
+    grad_ready: object = None  # event: the chunk's gradients are on the host
+    uploaded: object = None  # event: the chunk's weights are back on the device
+
+
+def plan_chunks(segments: list[HostSegment], itemsizes: list[int], chunk_bytes: int) -> list[list[tuple]]:
+    """Packs the segments' elements, in order, into chunks of at most `chunk_bytes`.
+
+    Returns per chunk a list of (segment position, a, b, byte offset): elements
+    [a, b) of the segment at `byte offset` in the chunk. Pure; deterministic.
+    """
+    chunks: list[list[tuple]] = []
+    current: list[tuple] = []
+    used = 0
+    for pos, seg in enumerate(segments):
+        size = itemsizes[seg.index]
+        a, n = 0, seg.end - seg.start
+        while a < n:
+            room = (chunk_bytes - used) // size
+            if room <= 0:
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            b = min(n, a + room)
+            current.append((pos, a, b, used))
+            used += _aligned((b - a) * size)
+            a = b
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class HostPipeline:
+    """Moves the CPU share's gradients down, steps them with the kernel, and moves the weights back up."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        group_of: list[int],
+        segments: list[HostSegment],
+        chunk_bytes: int,
+        device: torch.device,
+        num_threads: int | None,
+    ) -> None:
+        self.params = params
+        self.group_of = group_of
+        self.num_threads = num_threads
+        self.streams = Streams(device)
+        itemsizes = [p.element_size() for p in params]
+        plans = plan_chunks(segments, itemsizes, chunk_bytes)
+        sizes = [max(_ALIGN, sum(_aligned((b - a) * itemsizes[segments[pos].index]) for pos, a, b, _ in plan))
+                 for plan in plans]  # fmt: skip
+        buffers = pinned_buffers(sizes, self.streams.cuda, "the CPU share's gradients")
+        self.pinned_bytes = sum(sizes) if self.streams.cuda else 0
+        self.chunks: list[_Chunk] = []
+        self.pieces_of: dict[int, list[tuple[int, _Piece]]] = {}
+        for k, (plan, buf) in enumerate(zip(plans, buffers)):
+            chunk = _Chunk(buf, grad_ready=self.streams.event(), uploaded=self.streams.event())
+            for pos, a, b, offset in plan:
+                seg = segments[pos]
+                p = params[seg.index]
+                piece = _Piece(
+                    param=seg.index,
+                    start=seg.start + a,
+                    end=seg.start + b,
+                    host=view(buf, offset, b - a, p.dtype),
+                    dst=p.detach().view(-1)[seg.start + a : seg.start + b],
+                    master=seg.master[a:b],
+                    exp_avg=seg.exp_avg[a:b],
+                    exp_avg_sq=seg.exp_avg_sq[a:b],
+                )
+                chunk.pieces.append(piece)
+                if seg.index not in chunk.params:
+                    chunk.params.append(seg.index)
+                self.pieces_of.setdefault(seg.index, []).append((k, piece))
+            self.chunks.append(chunk)
+        self.chunks_of = {i: sorted({k for k, _ in pcs}) for i, pcs in self.pieces_of.items()}
+
+        self._cond = threading.Condition()
+        self._phase = "idle"  # idle -> open (gradients arriving) -> sealed (all known) -> idle
+        self._down: set[int] = set()
+        self._missing: list[int] = []
+        self._ready: list[int] = []
+        self._done: list[bool] = [True] * len(self.chunks)
+        self._waited: set[int] = set()
+        self._args: StepArgs | None = None
+        self._scale: float | None = None
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ main side
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    def downloaded(self, i: int) -> bool:
+        return i in self._down
+
+    def open(self, args: StepArgs | None = None) -> None:
+        """Starts a step's downloads; with `args` the worker may step chunks as soon as they are down."""
+        self.finish()
+        with self._cond:
+            self._raise_error()
+            self._phase = "open"
+            self._down = set()
+            self._missing = [len(c.params) for c in self.chunks]
+            self._ready = []
+            self._done = [False] * len(self.chunks)
+            self._waited = set()
+            self._args, self._scale = args, None
+        # Chunk buffers are reused: this step's downloads follow last step's uploads.
+        if self.streams.cuda:
+            self.streams.d2h_stream.wait_stream(self.streams.h2d_stream)
+        if args is not None:
+            self._start_worker()
+
+    def download(self, i: int, grad: torch.Tensor, release: bool = False) -> None:
+        """Queues the copy of parameter i's CPU share of `grad` into its chunks' buffers."""
+        if i in self._down:
+            raise RuntimeError(
+                f"the gradient of parameter {i} reached TwinFlowAdam twice in one step; with gradient "
+                "accumulation, run every backward but the last inside `with optimizer.no_sync():`"
+            )
+        flat = grad.reshape(-1)
+        pieces = self.pieces_of[i]
+        self.streams.after_compute()
+        with self.streams.d2h():
+            torch._foreach_copy_(
+                [pc.host for _, pc in pieces], [flat[pc.start : pc.end] for _, pc in pieces], non_blocking=True
+            )
+        if release and self.streams.cuda:
+            grad.record_stream(self.streams.d2h_stream)
+        with self._cond:
+            self._down.add(i)
+            for k in self.chunks_of[i]:
+                self._missing[k] -= 1
+                if self._missing[k] == 0:
+                    self.chunks[k].grad_ready.record(self.streams.d2h_stream)
+                    heapq.heappush(self._ready, k)
+            self._cond.notify_all()
+
+    def seal(self, args: StepArgs) -> None:
+        """Every gradient of the step is down: chunks wait for no one else, and the worker may run them all."""
+        with self._cond:
+            for k, chunk in enumerate(self.chunks):
+                if self._missing[k] == 0:
+                    continue
+                live = [i for i in chunk.params if i in self._down]
+                self._missing[k] = 0
+                if live:
+                    chunk.grad_ready.record(self.streams.d2h_stream)
+                    heapq.heappush(self._ready, k)
+                else:
+                    self._done[k] = True  # nothing to step or upload
+            if self._args is None:
+                self._args = args
+            self._phase = "sealed"
+            self._cond.notify_all()
+        self._start_worker()
+
+    def discard(self) -> None:
+        """Drops the open step's gradients (an fp16 overflow): nothing is stepped or uploaded."""
+        with self._cond:
+            if self._args is not None and self._phase == "open":
+                raise RuntimeError("cannot discard a step whose CPU updates have already started (eager mode)")
+            self._ready = []
+            self._done = [True] * len(self.chunks)
+            self._phase = "sealed"
+            self._cond.notify_all()
+        self.finish()
+
+    def wait(self, chunk_ids: list[int]) -> None:
+        """The compute stream waits for these chunks' uploads (host-blocks only until each upload is queued)."""
+        if self._phase != "sealed":
+            return  # nothing of a finished step is in flight (or this is a recompute during backward)
+        todo = [k for k in chunk_ids if k not in self._waited]
+        if not todo:
+            return
+        with self._cond:
+            while not all(self._done[k] for k in todo) and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+        for k in todo:
+            self.streams.compute_waits(self.chunks[k].uploaded)
+            self._waited.add(k)
+
+    def finish(self) -> None:
+        """Waits for every chunk of the step in flight; the compute stream then sees all uploaded weights."""
+        if self._phase == "open":
+            raise RuntimeError("TwinFlowAdam: gradients were streamed but step() was not called yet")
+        self.wait(list(range(len(self.chunks))))
+        with self._cond:
+            self._raise_error()
+            self._phase = "idle"
+
+    def reset(self) -> None:
+        """Forgets an open step's downloads (zero_grad before step); refused once CPU updates have started."""
+        with self._cond:
+            if self._phase != "open":
+                return
+            if self._args is not None:
+                raise RuntimeError(
+                    "zero_grad() after the CPU share already stepped in backward (eager overlap): that update "
+                    "cannot be undone. Call step() after backward, or attach with eager=False"
+                )
+            self._phase = "sealed"
+            self._ready = []
+            self._done = [True] * len(self.chunks)
+        self.finish()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("TwinFlowAdam's CPU worker failed") from error
+
+    # ---------------------------------------------------------- worker side
+    def _start_worker(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="twinflow-cpu-adam", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        if self.streams.cuda:
+            torch.cuda.set_device(self.streams.device)
+        while True:
+            with self._cond:
+                while not self._stop and not (self._args is not None and self._ready):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                k = heapq.heappop(self._ready)
+                args = self._args
+                live = [pc for pc in self.chunks[k].pieces if pc.param in self._down]
+            try:
+                self._run_chunk(k, live, args)
+            except BaseException as exc:  # surfaced in the main thread at its next wait
+                with self._cond:
+                    self._error = exc
+                    self._done[k] = True
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._done[k] = True
+                self._cond.notify_all()
+
+    def _run_chunk(self, k: int, pieces: list[_Piece], args: StepArgs) -> None:
+        chunk = self.chunks[k]
+        chunk.grad_ready.synchronize()
+        if self._scale is None:
+            self._scale = args.scale() if callable(args.scale) else float(args.scale)
+        by_group: dict[int, list[_Piece]] = {}
+        for pc in pieces:
+            by_group.setdefault(self.group_of[pc.param], []).append(pc)
+        for gi, group_pieces in by_group.items():
+            g = args.groups[gi]
+            hosts = [pc.host for pc in group_pieces]
+            ops.adam_step_(
+                [pc.master for pc in group_pieces],
+                hosts,
+                [pc.exp_avg for pc in group_pieces],
+                [pc.exp_avg_sq for pc in group_pieces],
+                [args.steps[pc.param] for pc in group_pieces],
+                lr=g["lr"],
+                beta1=g["beta1"],
+                beta2=g["beta2"],
+                eps=g["eps"],
+                weight_decay=g["weight_decay"],
+                adamw_mode=g["adamw_mode"],
+                bias_correction=g["bias_correction"],
+                out_copies=hosts,  # in place: each gradient element is read before its weight is written
+                grad_scale=self._scale,
+                num_threads=self.num_threads,
+            )
+        with self.streams.h2d():
+            torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
+            chunk.uploaded.record(self.streams.h2d_stream)

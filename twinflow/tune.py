@@ -1,0 +1,241 @@
+"""Choosing the ratio from measurements taken on the spot (``ratio="auto"``).
+
+Inputs, measured at the first ``step()`` of a ``TwinFlowAdam(ratio="auto")``:
+the peak GPU memory of the first forward and backward (parameters, gradients
+and activations, before any optimizer state exists), the memory the device
+can still give, the forward and backward times of that iteration (when the
+optimizer is attached to the model), and short probes of the CPU kernel's,
+the GPU Adam's and PCIe's throughput.
+
+Model, for ratio r over N parameters (C: CPU kernel time, G: GPU Adam time,
+F and B: forward and backward time):
+
+- memory: peak(r) = first-iteration peak + (1 - r) N x device state bytes
+  (fp32 master and moments) + the upcast batch. Gradients released during
+  backward are not counted, so the estimate errs high.
+- time, plain steps: F + B + max(G, C).
+- time, overlapped: F + B + G + max(0, C - W), where W is the time the CPU
+  has before the next forward needs its weights: eager and placement "last":
+  B + G + (1 - r) F (its gradients come first in backward, its weights are
+  needed last in forward); eager and "first": r B + G + r F; with clipping or
+  fp16 (updates wait for the whole backward): G + (1 - r) F, or G + r F.
+
+The choice: among ratios whose predicted peak fits the memory budget (what
+the device can give, less ``margin``), the fastest; where several are
+predicted within 2% of the fastest, the largest of them (more headroom for
+free). ``python -m twinflow.tune`` runs this for an OPT model and prints the
+decision and a table of predicted against measured step time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from twinflow import ops
+
+log = logging.getLogger(__name__)
+
+_TIE = 0.02  # predicted times within 2% of the best count as equal
+_PROBE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class Inputs:
+    """What the choice is made from; every field measured except the counts."""
+
+    elements: int  # parameters
+    grad_bytes: int  # bytes of all gradients (the parameters' dtype)
+    state_bytes_per_element: float  # device-side optimizer state per element (master + moments)
+    temp_bytes: int  # the device step's upcast batch
+    first_peak_bytes: int  # peak GPU memory of the first forward + backward
+    budget_bytes: int  # what the device can give, less the margin
+    forward_s: float
+    backward_s: float
+    cpu_elements_per_s: float
+    gpu_elements_per_s: float
+    pcie_bytes_per_s: float
+
+
+def predict_peak(inputs: Inputs, ratio: float) -> float:
+    return inputs.first_peak_bytes + (1 - ratio) * inputs.elements * inputs.state_bytes_per_element + inputs.temp_bytes
+
+
+def predict_time(inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool) -> float:
+    cpu = ratio * inputs.elements / inputs.cpu_elements_per_s
+    if ratio > 0:
+        # the first chunk's download cannot hide behind the kernel
+        cpu += min(ratio * inputs.grad_bytes, 32 << 20) / inputs.pcie_bytes_per_s
+    gpu = (1 - ratio) * inputs.elements / inputs.gpu_elements_per_s
+    f, b = inputs.forward_s, inputs.backward_s
+    if not overlap:
+        return f + b + max(gpu, cpu)
+    if eager:
+        window = b + gpu + (1 - ratio) * f if placement == "last" else ratio * b + gpu + ratio * f
+    else:
+        window = gpu + (1 - ratio) * f if placement == "last" else gpu + ratio * f
+    return f + b + gpu + max(0.0, cpu - window)
+
+
+def choose_ratio(inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100) -> dict[str, Any]:
+    """The decision and what it rests on (see the module docstring for the rule)."""
+    ratios = [k / grid for k in range(grid + 1)]
+    table = [
+        {
+            "ratio": r,
+            "time_s": predict_time(inputs, r, placement, overlap, eager),
+            "peak_bytes": predict_peak(inputs, r),
+        }
+        for r in ratios
+    ]
+    fits = [row for row in table if row["peak_bytes"] <= inputs.budget_bytes]
+    if not fits:
+        log.warning("ratio='auto': even ratio 1 is predicted over the memory budget; choosing 1")
+        best = table[-1]
+        chosen = best
+    else:
+        best = min(fits, key=lambda row: row["time_s"])
+        chosen = max((row for row in fits if row["time_s"] <= best["time_s"] * (1 + _TIE)), key=lambda r: r["ratio"])
+    return {
+        "ratio": chosen["ratio"],
+        "predicted_time_s": chosen["time_s"],
+        "predicted_peak_bytes": chosen["peak_bytes"],
+        "fastest_fitting_ratio": best["ratio"],
+        "placement": placement,
+        "overlap": overlap,
+        "eager": eager,
+        "inputs": asdict(inputs),
+    }
+
+
+def _timed(fn, repeats: int, cuda: bool) -> float:
+    """Best of `repeats` after one warm-up, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS) -> float:
+    """Elements per second of the CPU kernel (bf16 gradient in, bf16 weight out), on fresh host memory."""
+    gen = torch.Generator().manual_seed(0)
+    p, m, v = torch.randn(elements, generator=gen), torch.zeros(elements), torch.zeros(elements)
+    g = torch.randn(elements, generator=gen).bfloat16()
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        ops.adam_step_([p], [g], [m], [v], [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
+                       out_copies=[g], num_threads=num_threads)  # fmt: skip
+
+    return elements / _timed(run, 3, cuda=False)
+
+
+def gpu_adam_rate(device: torch.device, elements: int) -> float:
+    """Elements per second of the device side's step (upcast, fused AdamW, copy back)."""
+    if device.type != "cuda":
+        return float("inf")
+    w = torch.randn(elements, device=device, dtype=torch.bfloat16)
+    master, m, v = w.float(), torch.zeros(elements, device=device), torch.zeros(elements, device=device)
+    grad, step = torch.randn_like(w), torch.zeros((), device=device)
+
+    def run() -> None:
+        torch._fused_adamw_([master], [grad.float()], [m], [v], [], [step], lr=1e-5, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        w.copy_(master)
+
+    return elements / _timed(run, 3, cuda=True)
+
+
+def pcie_rate(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Device-to-host bytes per second into pinned memory."""
+    if device.type != "cuda":
+        return float("inf")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return nbytes / _timed(lambda: dst.copy_(src, non_blocking=True), 3, cuda=True)
+
+
+class IterationProbe:
+    """Watches the first iteration for ``ratio="auto"``: its peak memory and, once attached, its times."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._handles: list[Any] = []
+        self._marks: dict[str, float] = {}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Times the first forward (its start and end) of `model`; the backward ends at step()."""
+
+        def start(*_: Any) -> None:
+            if "forward_start" not in self._marks:
+                self._marks["forward_start"] = self._now()
+
+        def end(*_: Any) -> None:
+            if "forward_end" not in self._marks:
+                self._marks["forward_end"] = self._now()
+
+        self._handles = [model.register_forward_pre_hook(start), model.register_forward_hook(end)]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def decide(
+        self,
+        params: list[torch.Tensor],
+        *,
+        placement: str,
+        eager: bool,
+        release_grads: bool,
+        margin: float,
+        num_threads: int | None,
+    ) -> dict[str, Any]:
+        step_start = self._now()
+        overlap = "forward_end" in self._marks
+        forward = self._marks["forward_end"] - self._marks["forward_start"] if overlap else 0.0
+        backward = step_start - self._marks["forward_end"] if overlap else 0.0
+        elements = sum(p.numel() for p in params)
+        low = sum(p.numel() for p in params if p.dtype != torch.float32)
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int((free + torch.cuda.memory_reserved(self.device)) * (1 - margin))
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            budget, peak = 1 << 62, 0
+        inputs = Inputs(
+            elements=elements,
+            grad_bytes=sum(p.numel() * p.element_size() for p in params),
+            state_bytes_per_element=(12 * low + 8 * (elements - low)) / max(elements, 1),
+            temp_bytes=min(low, 1 << 26) * 4,
+            first_peak_bytes=peak,
+            budget_bytes=budget,
+            forward_s=forward,
+            backward_s=backward,
+            cpu_elements_per_s=cpu_kernel_rate(num_threads),
+            gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
+            pcie_bytes_per_s=pcie_rate(self.device),
+        )
+        decision = choose_ratio(inputs, placement, overlap, eager)
+        decision["release_grads"] = release_grads
+        return decision
