@@ -1,0 +1,258 @@
+"""End-to-end training steps, OPT shapes, one GPU: twinflow (plain and overlapped) against PyTorch AMP.
+
+    python benchmarks/bench_overlap.py --set acceptance   # AMP floor; ratio 0.4 and 1.0, placements, clipping
+    python benchmarks/bench_overlap.py --set sweep        # AMP floor; ratio 0 to 1 (overlapped, "last"); auto
+
+Workload (the anchors'): OPT-2.7B shapes, random init, bf16 compute with fp32
+master weights, micro-batch 4 x 1024 tokens, activation checkpointing. Each
+system builds its own model on the GPU, takes --warmup steps, then --steps
+timed steps (host and device synchronised at the end of each; the CPU side
+of an overlapped step may still run then, as it would in training). Reports
+the median step and the peak GPU memory (allocated; reserved beside it), and
+writes JSON (and, for the sweep, a PNG of step time and memory against
+ratio) to $OUT or benchmarks/results/. --trace FILE saves a torch.profiler
+trace of one overlapped step at ratio 0.4.
+"""
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import machine_info, opt_config, write_json  # noqa: E402
+from twinflow import TwinFlowAdam  # noqa: E402
+from twinflow.tune import predict_time  # noqa: E402
+
+GIB = 1 << 30
+
+
+def build(name: str, device: str, dtype: torch.dtype):
+    from transformers import OPTForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = OPTForCausalLM(opt_config(name))  # random init, straight on the device
+    model.to(dtype)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # older transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def batches(vocab: int, batch: int, seq: int, device: str, seed: int = 1):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    while True:
+        yield torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_system(spec: dict, args) -> dict:
+    """Builds the model and optimizer of one system, trains, and returns its timings and memory."""
+    device = args.device
+    amp = spec["kind"] == "amp"
+    model = build(args.model, device, torch.float32 if amp else torch.bfloat16)
+    if amp:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    else:
+        opt = TwinFlowAdam(
+            model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
+            max_grad_norm=1.0 if spec.get("clip") else None,
+        )  # fmt: skip
+        if spec.get("attach", True):
+            opt.attach(model)
+    data = batches(model.config.vocab_size, args.batch, args.seq, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    trace_step = spec.get("trace")
+    for step in range(args.warmup + args.steps):
+        tokens = next(data)
+        sync(device)
+        start = time.perf_counter()
+        profiler = None
+        if trace_step and step == args.warmup:
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            profiler.__enter__()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if amp and spec.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        sync(device)
+        if profiler is not None:
+            if isinstance(opt, TwinFlowAdam):
+                opt.synchronize()
+                sync(device)
+            profiler.__exit__(None, None, None)
+            path = Path(trace_step)
+            profiler.export_chrome_trace(str(path.with_suffix("")))
+            with open(path.with_suffix(""), "rb") as f, gzip.open(path, "wb") as g:
+                g.write(f.read())
+            os.remove(path.with_suffix(""))
+        elif step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if isinstance(opt, TwinFlowAdam):
+        opt.synchronize()
+    sync(device)
+    entry = {
+        "step_s": statistics.median(times) if times else None,
+        "step_times_s": times,
+        "losses": losses,
+    }
+    if device == "cuda":
+        entry["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        entry["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    if isinstance(opt, TwinFlowAdam):
+        entry["split"] = opt.split_summary
+        entry["released_grad_gib"] = opt.released_grad_bytes / GIB
+        entry["ratio"] = opt.ratio
+        if opt.auto_decision is not None:
+            entry["auto_decision"] = opt.auto_decision
+        if opt._model is not None:
+            opt.detach()
+    del model, opt
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return entry
+
+
+def name_of(spec: dict) -> str:
+    if spec["kind"] == "amp":
+        return "amp" + ("+clip" if spec.get("clip") else "")
+    mode = "overlap" if spec.get("attach", True) else "plain"
+    ratio = spec["ratio"]
+    return f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
+
+
+SETS = {
+    "acceptance": [
+        {"kind": "amp"},
+        {"kind": "tf", "ratio": 0.4, "placement": "first"},
+        {"kind": "tf", "ratio": 0.4, "placement": "last"},
+        {"kind": "tf", "ratio": 0.4, "placement": "first", "clip": True},
+        {"kind": "tf", "ratio": 0.4, "placement": "last", "clip": True},
+        {"kind": "tf", "ratio": 0.4, "placement": "first", "attach": False},
+        {"kind": "tf", "ratio": 1.0, "placement": "last"},
+        {"kind": "tf", "ratio": 1.0, "placement": "last", "clip": True},
+        {"kind": "amp", "clip": True},
+    ],
+    "sweep": [
+        {"kind": "amp"},
+        *({"kind": "tf", "ratio": r, "placement": "last"} for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)),
+        {"kind": "tf", "ratio": "auto", "placement": "last"},
+    ],
+    "smoke": [{"kind": "amp"}, {"kind": "tf", "ratio": 0.4, "placement": "last"}, {"kind": "tf", "ratio": "auto"}],
+}
+
+
+def plot_sweep(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(e["ratio"], e) for k, e in result["systems"].items() if k.startswith("twinflow") and "auto" not in k]
+    rows.sort(key=lambda x: x[0])
+    amp = result["systems"]["amp"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot([r for r, _ in rows], [e["step_s"] for _, e in rows], "o-", label="twinflow (overlapped, last)")
+    if "predicted_step_s" in rows[0][1]:
+        a.plot([r for r, _ in rows], [e["predicted_step_s"] for _, e in rows], "x--", label="twinflow, predicted")
+    a.axhline(amp["step_s"], color="gray", ls=":", label="PyTorch AMP, no offload")
+    auto = result["systems"].get("twinflow r=auto last overlap")
+    if auto:
+        a.plot([auto["ratio"]], [auto["step_s"]], "r*", ms=14, label=f"ratio='auto' ({auto['ratio']:.2f})")
+    a.set_xlabel("ratio (share of parameters stepped on the CPU)")
+    a.set_ylabel("step time (s)")
+    a.legend()
+    a.grid(alpha=0.3)
+    b.plot([r for r, _ in rows], [e["peak_allocated_gib"] for _, e in rows], "o-", label="twinflow")
+    b.axhline(amp["peak_allocated_gib"], color="gray", ls=":", label="PyTorch AMP")
+    b.set_xlabel("ratio")
+    b.set_ylabel("peak GPU memory allocated (GiB)")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.suptitle(f"{result['model']}, {result['batch']}x{result['seq']} tokens, {result['machine'].get('gpu', 'CPU')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=sorted(SETS), default="acceptance")
+    parser.add_argument("--model", default="opt-2.7b")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace", default=None, help="write a gzipped chrome trace of one step at ratio 0.4 here")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    result = {"machine": machine_info(), "model": args.model, "batch": args.batch, "seq": args.seq,
+              "warmup": args.warmup, "steps": args.steps, "set": args.set, "systems": {}}  # fmt: skip
+    specs = [dict(s) for s in SETS[args.set]]
+    if args.trace:
+        for s in specs:
+            if s.get("ratio") == 0.4 and s.get("placement") == "last" and not s.get("clip") and s.get("attach", 1):
+                s["trace"] = args.trace
+                break
+    for spec in specs:
+        name = name_of(spec)
+        t0 = time.perf_counter()
+        try:
+            entry = run_system(spec, args)
+        except torch.OutOfMemoryError as exc:
+            entry = {"error": f"out of memory: {exc}"[:300]}
+            gc.collect()
+            torch.cuda.empty_cache()
+        entry["wall_s"] = time.perf_counter() - t0
+        result["systems"][name] = entry
+        mem = entry.get("peak_allocated_gib")
+        step_s = entry.get("step_s")
+        print(f"{name:40s} step {step_s if step_s is None else round(step_s, 4)} s  peak "
+              f"{mem if mem is None else round(mem, 2)} GiB  ({entry['wall_s']:.0f} s)", flush=True)  # fmt: skip
+        write_json(result, f"bench_overlap_{args.set}.json", args.out)
+    amp = result["systems"].get("amp", {}).get("step_s")
+    if amp:
+        for e in result["systems"].values():
+            if e.get("step_s"):
+                e["over_amp"] = e["step_s"] / amp
+    auto = result["systems"].get("twinflow r=auto last overlap", {})
+    if "auto_decision" in auto:
+        from twinflow.tune import Inputs
+
+        inputs = Inputs(**auto["auto_decision"]["inputs"])
+        for name, e in result["systems"].items():
+            if name.startswith("twinflow") and "ratio" in e:
+                e["predicted_step_s"] = predict_time(inputs, e["ratio"], "last", True, True)
+    path = write_json(result, f"bench_overlap_{args.set}.json", args.out)
+    if args.set == "sweep":
+        plot_sweep(result, path.with_suffix(".png"))
+    print(json.dumps({k: (round(v["step_s"], 4) if v.get("step_s") else v.get("error")) for k, v in
+                      result["systems"].items()}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
