@@ -71,19 +71,23 @@ def run_system(spec: dict, args) -> dict:
     else:
         opt = TwinFlowAdam(
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
-            max_grad_norm=1.0 if spec.get("clip") else None,
+            max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
         )  # fmt: skip
         if spec.get("attach", True):
             opt.attach(model)
     data = batches(model.config.vocab_size, args.batch, args.seq, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, marks = [], [], []
     trace_step = spec.get("trace")
+    pipeline = getattr(opt, "_pipeline", None)
     for step in range(args.warmup + args.steps):
         tokens = next(data)
         sync(device)
         start = time.perf_counter()
+        timed = spec.get("timeline") and pipeline is not None and args.warmup <= step < args.warmup + 2
+        if timed and pipeline.timeline is None:
+            pipeline.timeline = []
         profiler = None
         if trace_step and step == args.warmup:
             profiler = torch.profiler.profile(
@@ -92,13 +96,19 @@ def run_system(spec: dict, args) -> dict:
             profiler.__enter__()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
             loss = model(input_ids=tokens, labels=tokens).loss
+        forward_end = time.perf_counter()
         loss.backward()
+        backward_end = time.perf_counter()
         if amp and spec.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        step_end = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         sync(device)
+        if timed:
+            marks.append({"start": start, "forward_end": forward_end, "backward_end": backward_end,
+                          "step_end": step_end, "end": time.perf_counter()})  # fmt: skip
         if profiler is not None:
             if isinstance(opt, TwinFlowAdam):
                 opt.synchronize()
@@ -114,11 +124,18 @@ def run_system(spec: dict, args) -> dict:
     if isinstance(opt, TwinFlowAdam):
         opt.synchronize()
     sync(device)
+    if marks:
+        t0 = marks[0]["start"]
+        shift = lambda d: {k: (v - t0 if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
+        timeline = {"iterations": [shift(m) for m in marks], "events": [shift(e) for e in pipeline.timeline]}
+        pipeline.timeline = None
     entry = {
         "step_s": statistics.median(times) if times else None,
         "step_times_s": times,
         "losses": losses,
     }
+    if marks:
+        entry["timeline"] = timeline
     if device == "cuda":
         entry["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         entry["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
@@ -142,7 +159,8 @@ def name_of(spec: dict) -> str:
         return "amp" + ("+clip" if spec.get("clip") else "")
     mode = "overlap" if spec.get("attach", True) else "plain"
     ratio = spec["ratio"]
-    return f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
+    name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
+    return name + (f" threads={spec['threads']}" if spec.get("threads") else "")
 
 
 SETS = {
@@ -159,10 +177,21 @@ SETS = {
     ],
     "sweep": [
         {"kind": "amp"},
-        *({"kind": "tf", "ratio": r, "placement": "last"} for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)),
+        *(
+            {"kind": "tf", "ratio": r, "placement": "last", "timeline": r in (0.4, 1.0)}
+            for r in (0, 0.2, 0.4, 0.6, 0.8, 1)
+        ),
         {"kind": "tf", "ratio": "auto", "placement": "last"},
     ],
-    "smoke": [{"kind": "amp"}, {"kind": "tf", "ratio": 0.4, "placement": "last"}, {"kind": "tf", "ratio": "auto"}],
+    "threads": [
+        *({"kind": "tf", "ratio": 0.4, "placement": "last", "threads": t} for t in (12, 14, 15, 16)),
+        *({"kind": "tf", "ratio": 1.0, "placement": "last", "threads": t} for t in (14, 15, 16)),
+    ],
+    "smoke": [
+        {"kind": "amp"},
+        {"kind": "tf", "ratio": 0.4, "placement": "last", "timeline": True},
+        {"kind": "tf", "ratio": "auto"},
+    ],
 }
 
 
@@ -194,6 +223,40 @@ def plot_sweep(result: dict, path: Path) -> None:
     b.legend()
     b.grid(alpha=0.3)
     fig.suptitle(f"{result['model']}, {result['batch']}x{result['seq']} tokens, {result['machine'].get('gpu', 'CPU')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_timeline(name: str, timeline: dict, path: Path) -> None:
+    """Two consecutive steps: the main thread's phases, the CPU worker's chunks, and the forward's waits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 3.2))
+    phases = [
+        ("start", "forward_end", "forward", "tab:blue"),
+        ("forward_end", "backward_end", "backward", "tab:orange"),
+        ("backward_end", "step_end", "step()", "tab:green"),
+        ("step_end", "end", "sync", "tab:gray"),
+    ]
+    for it in timeline["iterations"]:
+        for a, b, label, color in phases:
+            ax.barh(2, (it[b] - it[a]) * 1e3, left=it[a] * 1e3, color=color, edgecolor="k", lw=0.3, label=label)
+    for e in timeline["events"]:
+        if "chunk" in e:
+            ax.barh(1, (e["kernel_end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:red", edgecolor="k",
+                    lw=0.2, label="CPU kernel (one chunk)")  # fmt: skip
+        elif e["end"] - e["start"] > 2e-4:
+            ax.barh(0, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:purple",
+                    label="forward waits for weights")  # fmt: skip
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
+    ax.set_yticks([0, 1, 2], ["forward waits", "CPU worker", "main thread"])
+    ax.set_xlabel("host time (ms) from the start of the first timed step")
+    ax.set_title(name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -250,6 +313,10 @@ def main() -> None:
     path = write_json(result, f"bench_overlap_{args.set}.json", args.out)
     if args.set == "sweep":
         plot_sweep(result, path.with_suffix(".png"))
+    for name, e in result["systems"].items():
+        if "timeline" in e:
+            ratio = str(e["ratio"]).replace(".", "")
+            plot_timeline(name, e["timeline"], path.parent / f"timeline_r{ratio}.png")
     print(json.dumps({k: (round(v["step_s"], 4) if v.get("step_s") else v.get("error")) for k, v in
                       result["systems"].items()}))  # fmt: skip
 

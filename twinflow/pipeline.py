@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -169,6 +170,9 @@ class HostPipeline:
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Set to a list to record host times (time.perf_counter) of every chunk and wait, for timeline plots.
+        self.timeline: list[dict] | None = None
+        self._ready_at: list[float] = [0.0] * len(self.chunks)
 
     # ------------------------------------------------------------ main side
     @property
@@ -218,7 +222,7 @@ class HostPipeline:
                 self._missing[k] -= 1
                 if self._missing[k] == 0:
                     self.chunks[k].grad_ready.record(self.streams.d2h_stream)
-                    heapq.heappush(self._ready, k)
+                    self._push_ready(k)
             self._cond.notify_all()
 
     def seal(self, args: StepArgs) -> None:
@@ -231,7 +235,7 @@ class HostPipeline:
                 self._missing[k] = 0
                 if live:
                     chunk.grad_ready.record(self.streams.d2h_stream)
-                    heapq.heappush(self._ready, k)
+                    self._push_ready(k)
                 else:
                     self._done[k] = True  # nothing to step or upload
             if self._args is None:
@@ -239,6 +243,12 @@ class HostPipeline:
             self._phase = "sealed"
             self._cond.notify_all()
         self._start_worker()
+
+    def _push_ready(self, k: int) -> None:
+        """Caller holds the lock."""
+        heapq.heappush(self._ready, k)
+        if self.timeline is not None:
+            self._ready_at[k] = time.perf_counter()
 
     def discard(self) -> None:
         """Drops the open step's gradients (an fp16 overflow): nothing is stepped or uploaded."""
@@ -258,10 +268,13 @@ class HostPipeline:
         todo = [k for k in chunk_ids if k not in self._waited]
         if not todo:
             return
+        start = time.perf_counter()
         with self._cond:
             while not all(self._done[k] for k in todo) and self._error is None:
                 self._cond.wait()
             self._raise_error()
+        if self.timeline is not None:
+            self.timeline.append({"wait": todo, "start": start, "end": time.perf_counter()})
         for k in todo:
             self.streams.compute_waits(self.chunks[k].uploaded)
             self._waited.add(k)
@@ -332,7 +345,9 @@ class HostPipeline:
 
     def _run_chunk(self, k: int, pieces: list[_Piece], args: StepArgs) -> None:
         chunk = self.chunks[k]
+        picked = time.perf_counter()
         chunk.grad_ready.synchronize()
+        start = time.perf_counter()
         if self._scale is None:
             self._scale = args.scale() if callable(args.scale) else float(args.scale)
         by_group: dict[int, list[_Piece]] = {}
@@ -359,5 +374,10 @@ class HostPipeline:
                 num_threads=self.num_threads,
             )
         with self.streams.h2d():
+            kernel_end = time.perf_counter()
             torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
             chunk.uploaded.record(self.streams.h2d_stream)
+        if self.timeline is not None:
+            elements = sum(pc.end - pc.start for pc in pieces)
+            times = {"ready": self._ready_at[k], "picked": picked, "start": start, "kernel_end": kernel_end}
+            self.timeline.append({"chunk": k, **times, "end": time.perf_counter(), "elements": elements})

@@ -305,7 +305,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 "2-norm; use norm_type=2.0"
             )
         grads = self._grads_not_streamed(with_grad)
-        return list(self._hook_norms) + (list(torch._foreach_norm(grads, norm_type)) if grads else [])
+        # fp32 norms whatever the gradients' dtype: bf16 norms would round the clipping coefficient
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32) if grads else []
+        return list(self._hook_norms) + list(norms)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips all gradients (both sides) by one global norm, in the coming ``step()``; no host synchronisation.
