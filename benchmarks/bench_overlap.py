@@ -27,27 +27,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import machine_info, opt_config, write_json  # noqa: E402
+from benchmarks.common import machine_info, write_json  # noqa: E402
 from twinflow import TwinFlowAdam  # noqa: E402
+from twinflow.models import build_opt  # noqa: E402
 from twinflow.tune import predict_time  # noqa: E402
 
 GIB = 1 << 30
 
 
 def build(name: str, device: str, dtype: torch.dtype):
-    from transformers import OPTForCausalLM
-
     torch.manual_seed(0)
-    with torch.device(device):
-        model = OPTForCausalLM(opt_config(name))  # random init, straight on the device
-    model.to(dtype)
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:  # older transformers
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
+    return build_opt(name, device, dtype)
 
 
 def batches(vocab: int, batch: int, seq: int, device: str, seed: int = 1):
@@ -72,6 +62,7 @@ def run_system(spec: dict, args) -> dict:
         opt = TwinFlowAdam(
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
             max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
+            memory_budget=int(spec["budget_gib"] * GIB) if spec.get("budget_gib") else None,
         )  # fmt: skip
         if spec.get("attach", True):
             opt.attach(model)
@@ -85,7 +76,7 @@ def run_system(spec: dict, args) -> dict:
         tokens = next(data)
         sync(device)
         start = time.perf_counter()
-        timed = spec.get("timeline") and pipeline is not None and args.warmup <= step < args.warmup + 2
+        timed = spec.get("timeline") and pipeline is not None and args.warmup <= step < args.warmup + 3
         if timed and pipeline.timeline is None:
             pipeline.timeline = []
         profiler = None
@@ -160,7 +151,8 @@ def name_of(spec: dict) -> str:
     mode = "overlap" if spec.get("attach", True) else "plain"
     ratio = spec["ratio"]
     name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
-    return name + (f" threads={spec['threads']}" if spec.get("threads") else "")
+    name += f" threads={spec['threads']}" if spec.get("threads") else ""
+    return name + (f" budget={spec['budget_gib']}GiB" if spec.get("budget_gib") else "")
 
 
 SETS = {
@@ -182,6 +174,7 @@ SETS = {
             for r in (0, 0.2, 0.4, 0.6, 0.8, 1)
         ),
         {"kind": "tf", "ratio": "auto", "placement": "last"},
+        {"kind": "tf", "ratio": "auto", "placement": "last", "budget_gib": 30},
     ],
     "threads": [
         *({"kind": "tf", "ratio": 0.4, "placement": "last", "threads": t} for t in (12, 14, 15, 16)),
@@ -202,6 +195,7 @@ def plot_sweep(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [(e["ratio"], e) for k, e in result["systems"].items() if k.startswith("twinflow") and "auto" not in k]
+    autos = [e for k, e in result["systems"].items() if "auto" in k and "step_s" in e]
     rows.sort(key=lambda x: x[0])
     amp = result["systems"]["amp"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -209,9 +203,10 @@ def plot_sweep(result: dict, path: Path) -> None:
     if "predicted_step_s" in rows[0][1]:
         a.plot([r for r, _ in rows], [e["predicted_step_s"] for _, e in rows], "x--", label="twinflow, predicted")
     a.axhline(amp["step_s"], color="gray", ls=":", label="PyTorch AMP, no offload")
-    auto = result["systems"].get("twinflow r=auto last overlap")
-    if auto:
-        a.plot([auto["ratio"]], [auto["step_s"]], "r*", ms=14, label=f"ratio='auto' ({auto['ratio']:.2f})")
+    for auto, marker in zip(autos, ("r*", "m*")):
+        budget = auto.get("auto_decision", {}).get("inputs", {}).get("budget_bytes", 0) / GIB
+        label = f"ratio='auto' -> {auto['ratio']:.2f} (budget {budget:.0f} GiB)"
+        a.plot([auto["ratio"]], [auto["step_s"]], marker, ms=14, label=label)
     a.set_xlabel("ratio (share of parameters stepped on the CPU)")
     a.set_ylabel("step time (s)")
     a.legend()
@@ -228,7 +223,7 @@ def plot_sweep(result: dict, path: Path) -> None:
 
 
 def plot_timeline(name: str, timeline: dict, path: Path) -> None:
-    """Two consecutive steps: the main thread's phases, the CPU worker's chunks, and the forward's waits."""
+    """Three consecutive steps: the main thread's phases, the CPU worker's chunks, and the forward's waits."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +239,10 @@ def plot_timeline(name: str, timeline: dict, path: Path) -> None:
     for it in timeline["iterations"]:
         for a, b, label, color in phases:
             ax.barh(2, (it[b] - it[a]) * 1e3, left=it[a] * 1e3, color=color, edgecolor="k", lw=0.3, label=label)
+    horizon = timeline["iterations"][-1]["end"]
     for e in timeline["events"]:
+        if e["start"] > horizon:
+            continue
         if "chunk" in e:
             ax.barh(1, (e["kernel_end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:red", edgecolor="k",
                     lw=0.2, label="CPU kernel (one chunk)")  # fmt: skip

@@ -57,36 +57,3 @@ def write_json(result: dict, name: str, out: str | None) -> Path:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
     return path
-
-
-# Published OPT shapes: (layers, hidden, ffn, heads, word_embed_proj_dim).
-OPT_SHAPES = {
-    "opt-tiny": (2, 64, 256, 4, 64),  # for smoke runs on a CPU
-    "opt-125m": (12, 768, 3072, 12, 768),
-    "opt-350m": (24, 1024, 4096, 16, 512),
-    "opt-1.3b": (24, 2048, 8192, 32, 2048),
-    "opt-2.7b": (32, 2560, 10240, 32, 2560),
-    "opt-6.7b": (32, 4096, 16384, 32, 4096),
-    "opt-13b": (40, 5120, 20480, 40, 5120),
-    "opt-30b": (48, 7168, 28672, 56, 7168),
-}
-
-
-def opt_config(name: str):
-    """transformers' OPTConfig for a published OPT size (no download), dropout off."""
-    from transformers import OPTConfig
-
-    if name not in OPT_SHAPES:
-        raise ValueError(f"model {name!r}; expected one of {sorted(OPT_SHAPES)}")
-    layers, hidden, ffn, heads, proj = OPT_SHAPES[name]
-    return OPTConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        ffn_dim=ffn,
-        num_attention_heads=heads,
-        word_embed_proj_dim=proj,
-        dropout=0.0,
-        attention_dropout=0.0,
-        use_cache=False,
-        do_layer_norm_before=name != "opt-350m",
-    )

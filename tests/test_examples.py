@@ -20,3 +20,15 @@ def test_train_small_runs_and_loss_falls() -> None:
     summary = json.loads(out[out.index("{") :])
     assert summary["last_loss"] < 0.5 * summary["first_loss"]
     assert abs(summary["split"]["ratio_achieved"] - 0.4) < 0.01
+
+
+def test_tune_cli_prints_a_recommendation_and_the_table(tmp_path: Path) -> None:
+    table = tmp_path / "tune.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "twinflow.tune", "--model", "opt-tiny", "--batch", "2", "--seq", "32",
+         "--ratios", "0", "1", "--warmup", "1", "--steps", "2", "--json", str(table)],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    ).stdout  # fmt: skip
+    assert "recommendation: ratio=" in out and "<- auto" in out
+    rows = json.loads(table.read_text())["rows"]
+    assert [r["ratio"] for r in rows[1:]] == [0.0, 1.0] and all(r["step_s"] > 0 for r in rows)

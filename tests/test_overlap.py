@@ -257,7 +257,8 @@ def test_race_test_fails_without_the_forward_waits(monkeypatch: pytest.MonkeyPat
     from twinflow import twin_flow_adam
 
     monkeypatch.setattr(twin_flow_adam._WaitFor, "__call__", lambda self, module, args: None)
-    with pytest.raises(AssertionError):
+    # Either the forward reads stale weights, or autograd sees a saved weight overwritten under it.
+    with pytest.raises((AssertionError, RuntimeError), match="read other weights|modified by an inplace"):
         race(0.75, "first")
 
 

@@ -25,9 +25,11 @@ One step:
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +39,16 @@ from twinflow import ops
 from twinflow.transfer import Streams, pinned_buffers, view
 
 _ALIGN = 64  # bytes: every piece in a chunk buffer starts on a cache line
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose worker may be running
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Ends every worker before the interpreter tears down (a worker killed inside its OpenMP pool aborts)."""
+    for pipeline in list(_LIVE):
+        pipeline.close()
 
 
 def _aligned(nbytes: int) -> int:
@@ -304,9 +316,13 @@ class HostPipeline:
         self.finish()
 
     def close(self) -> None:
+        """Stops the worker after the chunk it is running, and waits for it."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -318,6 +334,7 @@ class HostPipeline:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="twinflow-cpu-adam", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
 
     def _work(self) -> None:
         if self.streams.cuda:

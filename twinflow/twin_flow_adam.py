@@ -73,6 +73,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         num_threads: int | None = None,
         max_grad_norm: float | None = None,
         memory_margin: float = 0.1,
+        memory_budget: int | None = None,
     ) -> None:
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         self.auto_ratio = ratio == "auto"
@@ -87,6 +88,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.num_threads = num_threads
         self.max_grad_norm = max_grad_norm
         self.memory_margin = memory_margin
+        self.memory_budget = memory_budget
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._group_of = [gi for gi, group in enumerate(self.param_groups) for _ in group["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -208,11 +210,6 @@ class TwinFlowAdam(torch.optim.Optimizer):
             )
         self._model = model
         self._attach_options = {"release_grads": release_grads, "eager": eager}
-        if self.num_threads is None:
-            # One core stays with the Python thread that launches the GPU work.
-            self.num_threads = max(1, torch.get_num_threads() - 1)
-            if self._pipeline is not None:
-                self._pipeline.num_threads = self.num_threads
         if self._probe is not None:
             self._probe.attach(model)
         if self.ratio is not None:
@@ -420,6 +417,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             eager=self._model is not None and self._attach_options.get("eager", False),
             release_grads=self._model is not None and self._attach_options.get("release_grads", False),
             margin=self.memory_margin,
+            budget=self.memory_budget,
             num_threads=self.num_threads,
         )
         self.ratio = self.auto_decision["ratio"]
