@@ -59,6 +59,8 @@ def run_system(spec: dict, args) -> dict:
     if amp:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     else:
+        if spec.get("hugepages") is not None:
+            os.environ["TWINFLOW_HUGEPAGES"] = "1" if spec["hugepages"] else "0"
         opt = TwinFlowAdam(
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
             max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
@@ -67,6 +69,10 @@ def run_system(spec: dict, args) -> dict:
         if spec.get("attach", True):
             opt.attach(model)
     data = batches(model.config.vocab_size, args.batch, args.seq, device)
+    if spec.get("ratio") == "auto":  # ratio="auto" times the forward and backward before its first step
+        tokens = next(data)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses, marks = [], [], []
@@ -152,6 +158,7 @@ def name_of(spec: dict) -> str:
     ratio = spec["ratio"]
     name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
     name += f" threads={spec['threads']}" if spec.get("threads") else ""
+    name += f" hugepages={'on' if spec['hugepages'] else 'off'}" if spec.get("hugepages") is not None else ""
     return name + (f" budget={spec['budget_gib']}GiB" if spec.get("budget_gib") else "")
 
 
@@ -179,6 +186,9 @@ SETS = {
     "threads": [
         *({"kind": "tf", "ratio": 0.4, "placement": "last", "threads": t} for t in (12, 14, 15, 16)),
         *({"kind": "tf", "ratio": 1.0, "placement": "last", "threads": t} for t in (14, 15, 16)),
+    ],
+    "hugepages": [
+        *({"kind": "tf", "ratio": r, "placement": "last", "hugepages": h} for r in (0.4, 1.0) for h in (False, True)),
     ],
     "smoke": [
         {"kind": "amp"},

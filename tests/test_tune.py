@@ -17,6 +17,7 @@ def inputs(**kw) -> Inputs:
         temp_bytes=GIB // 4,
         released_bytes_per_ratio=2 * 2_650_000_000,
         first_peak_bytes=13 * GIB,
+        at_step_bytes=10 * GIB,
         budget_bytes=70 * GIB,
         forward_s=0.05,
         backward_s=0.15,
@@ -64,6 +65,13 @@ def test_released_gradients_lower_the_predicted_peak() -> None:
     kept = inputs(released_bytes_per_ratio=0)
     assert predict_peak(inputs(), 0.5) == predict_peak(kept, 0.5) - 0.5 * 2 * 2_650_000_000
     assert predict_peak(inputs(), 0.0) == predict_peak(kept, 0.0)
+
+
+def test_first_step_peak_counts_when_gradients_are_still_on_the_device() -> None:
+    x = inputs(first_peak_bytes=11 * GIB, at_step_bytes=10 * GIB)  # all bf16 gradients + params ~ 10 GiB
+    state = 0.7 * x.elements * 12 + x.temp_bytes
+    assert predict_peak(x, 0.3) == max(11 * GIB + state - 0.3 * x.released_bytes_per_ratio, 10 * GIB + state)
+    assert predict_peak(x, 0.3) == 10 * GIB + state
 
 
 def test_budget_caps_the_device_memory() -> None:

@@ -345,7 +345,7 @@ class HostPipeline:
                     self._cond.wait()
                 if self._stop:
                     return
-                k = heapq.heappop(self._ready)
+                k = self._pick()
                 args = self._args
                 live = [pc for pc in self.chunks[k].pieces if pc.param in self._down]
             try:
@@ -359,6 +359,18 @@ class HostPipeline:
             with self._cond:
                 self._done[k] = True
                 self._cond.notify_all()
+
+    def _pick(self) -> int:
+        """The lowest ready chunk whose gradients have landed, else the lowest ready one (caller holds the lock).
+
+        The next forward needs low indices first; a chunk still in flight would
+        make the worker wait while landed ones could run.
+        """
+        landed = [k for k in self._ready if self.chunks[k].grad_ready.query()]
+        k = min(landed) if landed else self._ready[0]
+        self._ready.remove(k)
+        heapq.heapify(self._ready)
+        return k
 
     def _run_chunk(self, k: int, pieces: list[_Piece], args: StepArgs) -> None:
         chunk = self.chunks[k]

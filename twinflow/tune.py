@@ -12,7 +12,9 @@ F and B: forward and backward time):
 
 - memory: peak(r) = first-iteration peak + (1 - r) N x device state bytes
   (fp32 master and moments) + the upcast batch, less the CPU share's
-  gradients when backward releases them (``attach(release_grads=True)``).
+  gradients when backward releases them (``attach(release_grads=True)``);
+  and at least what the first step itself needs (every gradient is still on
+  the device then, with the new state beside it).
 - time, plain steps: F + B + max(G, C).
 - time, overlapped: F + B + G + max(k C, C - W), where W is the time the CPU
   has before the next forward needs its weights: eager and placement "last":
@@ -49,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
-_PROBE_ELEMENTS = 1 << 24
+_PROBE_ELEMENTS = 1 << 26  # 1 GiB of fp32 state: well past a 300 MiB L3, which would flatter the kernel
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Inputs:
     temp_bytes: int  # the device step's upcast batch
     released_bytes_per_ratio: int  # gradient bytes backward hands back per unit of ratio (0 when not released)
     first_peak_bytes: int  # peak GPU memory of the first forward + backward
+    at_step_bytes: int  # GPU memory in use when the first step() begins (parameters and every gradient)
     budget_bytes: int  # what the device can give, less the margin
     forward_s: float
     backward_s: float
@@ -71,8 +74,10 @@ class Inputs:
 
 
 def predict_peak(inputs: Inputs, ratio: float) -> float:
-    state = (1 - ratio) * inputs.elements * inputs.state_bytes_per_element
-    return inputs.first_peak_bytes + state + inputs.temp_bytes - ratio * inputs.released_bytes_per_ratio
+    state = (1 - ratio) * inputs.elements * inputs.state_bytes_per_element + inputs.temp_bytes
+    steady = inputs.first_peak_bytes + state - ratio * inputs.released_bytes_per_ratio
+    first_step = inputs.at_step_bytes + state  # no gradient has been released before the split exists
+    return max(steady, first_step)
 
 
 def predict_time(inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool) -> float:
@@ -189,15 +194,15 @@ class IterationProbe:
             torch.cuda.reset_peak_memory_stats(device)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Times the first forward (its start and end) of `model`; the backward ends at step()."""
+        """Times the forwards of `model` until the first step(); the backward ends at step()."""
 
+        # The last forward before step() counts: a warm-up forward and backward
+        # (then zero_grad) keeps one-time start-up costs out of the timings.
         def start(*_: Any) -> None:
-            if "forward_start" not in self._marks:
-                self._marks["forward_start"] = self._now()
+            self._marks["forward_start"] = self._now()
 
         def end(*_: Any) -> None:
-            if "forward_end" not in self._marks:
-                self._marks["forward_end"] = self._now()
+            self._marks["forward_end"] = self._now()
 
         self._handles = [model.register_forward_pre_hook(start), model.register_forward_hook(end)]
 
@@ -232,8 +237,9 @@ class IterationProbe:
             free, _ = torch.cuda.mem_get_info(self.device)
             capacity = int((free + torch.cuda.memory_reserved(self.device)) * (1 - margin))
             peak = torch.cuda.max_memory_allocated(self.device)
+            at_step = torch.cuda.memory_allocated(self.device)
         else:
-            capacity, peak = 1 << 62, 0
+            capacity, peak, at_step = 1 << 62, 0, 0
         budget = capacity if budget is None else min(capacity, int(budget))
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = Inputs(
@@ -243,6 +249,7 @@ class IterationProbe:
             temp_bytes=min(low, 1 << 26) * 4,
             released_bytes_per_ratio=grad_bytes if release_grads else 0,
             first_peak_bytes=peak,
+            at_step_bytes=at_step,
             budget_bytes=budget,
             forward_s=forward,
             backward_s=backward,
@@ -259,8 +266,10 @@ def _train_steps(model, opt, batch: int, seq: int, warmup: int, steps: int, devi
     """Median step time and peak GPU memory of a synthetic-token training loop (one sync per step)."""
     gen = torch.Generator(device=device).manual_seed(1)
     vocab = model.config.vocab_size
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    if opt.ratio is None:  # ratio="auto" times the forward and backward before its first step: warm them up
+        tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.zero_grad(set_to_none=True)
     times = []
     for step in range(warmup + steps):
         tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)

@@ -15,6 +15,7 @@ from twinflow import tune
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_hyperparams
 from twinflow.partition import Segment, check_placement, check_ratio, split
 from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
+from twinflow.transfer import host_empty
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +130,21 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._segments_of: list[list[_SegmentState]] = [[] for _ in self._params]
         self._cpu: list[_SegmentState] = []
         self._dev: list[_SegmentState] = []
+        # The CPU side's masters and moments: three flat host buffers, one slice per segment.
+        cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
+        host = [host_empty(cpu_total) for _ in range(3)]
+        offset = 0
         with torch.no_grad():
             for seg in segments:
                 p = self._params[seg.index]
                 flat = p.detach().view(-1)[seg.start : seg.end]
                 if seg.on_cpu:
-                    master = torch.empty(seg.numel, dtype=torch.float32)
+                    master, exp_avg, exp_avg_sq = (h[offset : offset + seg.numel] for h in host)
+                    offset += seg.numel
                     master.copy_(flat)
-                    st = _SegmentState(seg, master, torch.zeros_like(master), torch.zeros_like(master))
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
+                    st = _SegmentState(seg, master, exp_avg, exp_avg_sq)
                     self._cpu.append(st)
                 else:
                     master = flat if p.dtype == torch.float32 else flat.float()
@@ -146,11 +154,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 self._segments_of[seg.index].append(st)
         self._fully_cpu = {i for i, sts in enumerate(self._segments_of) if sts and all(s.seg.on_cpu for s in sts)}
         if self._cpu:
-            host = [
+            host_segments = [
                 HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq) for s in self._cpu
             ]
             self._pipeline = HostPipeline(
-                self._params, self._group_of, host, self.chunk_bytes, self.device, self.num_threads
+                self._params, self._group_of, host_segments, self.chunk_bytes, self.device, self.num_threads
             )
             weakref.finalize(self, self._pipeline.close)
         self.split_summary = self._summarise()
