@@ -59,12 +59,11 @@ def run_system(spec: dict, args) -> dict:
     if amp:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     else:
-        if spec.get("hugepages") is not None:
-            os.environ["TWINFLOW_HUGEPAGES"] = "1" if spec["hugepages"] else "0"
         opt = TwinFlowAdam(
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
             max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
             memory_budget=int(spec["budget_gib"] * GIB) if spec.get("budget_gib") else None,
+            chunk_bytes=spec.get("chunk_mib", 32) << 20,
         )  # fmt: skip
         if spec.get("attach", True):
             opt.attach(model)
@@ -158,7 +157,7 @@ def name_of(spec: dict) -> str:
     ratio = spec["ratio"]
     name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
     name += f" threads={spec['threads']}" if spec.get("threads") else ""
-    name += f" hugepages={'on' if spec['hugepages'] else 'off'}" if spec.get("hugepages") is not None else ""
+    name += f" chunk={spec['chunk_mib']}MiB" if spec.get("chunk_mib") else ""
     return name + (f" budget={spec['budget_gib']}GiB" if spec.get("budget_gib") else "")
 
 
@@ -187,8 +186,8 @@ SETS = {
         *({"kind": "tf", "ratio": 0.4, "placement": "last", "threads": t} for t in (12, 14, 15, 16)),
         *({"kind": "tf", "ratio": 1.0, "placement": "last", "threads": t} for t in (14, 15, 16)),
     ],
-    "hugepages": [
-        *({"kind": "tf", "ratio": r, "placement": "last", "hugepages": h} for r in (0.4, 1.0) for h in (False, True)),
+    "knobs": [
+        *({"kind": "tf", "ratio": r, "placement": "last", "chunk_mib": c} for r in (0.4, 1.0) for c in (32, 128)),
     ],
     "smoke": [
         {"kind": "amp"},

@@ -8,17 +8,8 @@ copies, so tests exercise the same logic there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
-import os
-import sys
 
 import torch
-
-log = logging.getLogger(__name__)
-
-_HUGE = 2 << 20  # bytes in a transparent huge page on x86-64
-_MADV_HUGEPAGE = 14
 
 
 class NoEvent:
@@ -81,25 +72,3 @@ def pinned_buffers(sizes: list[int], pin: bool, what: str) -> list[torch.Tensor]
 def view(buf: torch.Tensor, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """`numel` elements of `dtype` at `byte_offset` bytes into the uint8 buffer `buf`."""
     return buf[byte_offset : byte_offset + numel * dtype.itemsize].view(dtype)
-
-
-def host_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised host tensor; large ones ask Linux for transparent huge pages before first touch.
-
-    The CPU kernel streams gigabytes of state per step: with 4 KiB pages that
-    is a TLB miss every 1024 floats per stream, and the hardware prefetchers
-    stop at every page boundary. Where THP is in "madvise" mode (a common
-    default), nothing gets huge pages unless asked. TWINFLOW_HUGEPAGES=0
-    turns the request off.
-    """
-    t = torch.empty(numel, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    if nbytes < 4 * _HUGE or not sys.platform.startswith("linux") or os.environ.get("TWINFLOW_HUGEPAGES") == "0":
-        return t
-    start = (t.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
-    end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) != 0:
-            log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return t

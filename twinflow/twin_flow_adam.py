@@ -15,7 +15,6 @@ from twinflow import tune
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_hyperparams
 from twinflow.partition import Segment, check_placement, check_ratio, split
 from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
-from twinflow.transfer import host_empty
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._dev: list[_SegmentState] = []
         # The CPU side's masters and moments: three flat host buffers, one slice per segment.
         cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
-        host = [host_empty(cpu_total) for _ in range(3)]
+        host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3)]
         offset = 0
         with torch.no_grad():
             for seg in segments:
