@@ -321,3 +321,19 @@ def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: p
     monkeypatch.setattr(transfer.torch, "empty", failing_empty)
     with pytest.raises(RuntimeError, match=r"128.0 MiB of pinned host memory.*lower the ratio"):
         transfer.pinned_buffers([32 << 20] * 4, True, "gradients")
+
+
+def test_device_side_upcast_in_small_pieces_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 gradients are upcast at most _UPCAST_ELEMENTS at a time; cutting segments must not change a bit."""
+    from twinflow import twin_flow_adam
+
+    results = []
+    for limit in (1 << 26, 7):  # 7: every segment cut into many pieces, several batches per group
+        monkeypatch.setattr(twin_flow_adam, "_UPCAST_ELEMENTS", limit)
+        model = make_model("cpu", torch.bfloat16)
+        opt = TwinFlowAdam(groups(model), ratio=0.3, placement="first", chunk_bytes=1024, max_grad_norm=0.5)
+        run(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 6, "cpu", 8)
+        results.append([p.detach().clone() for p in model.parameters()])
+        assert opt.state_dict()["state"][len(results[-1]) - 1]["step"].item() == 6
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

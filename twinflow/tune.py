@@ -84,7 +84,7 @@ def predict_time(inputs: Inputs, ratio: float, placement: str, overlap: bool, ea
     cpu = ratio * inputs.elements / inputs.cpu_elements_per_s
     if ratio > 0:
         # the first chunk's download cannot hide behind the kernel
-        cpu += min(ratio * inputs.grad_bytes, 32 << 20) / inputs.pcie_bytes_per_s
+        cpu += min(ratio * inputs.grad_bytes, 128 << 20) / inputs.pcie_bytes_per_s
     gpu = (1 - ratio) * inputs.elements / inputs.gpu_elements_per_s
     f, b = inputs.forward_s, inputs.backward_s
     if not overlap:
@@ -266,6 +266,8 @@ def _train_steps(model, opt, batch: int, seq: int, warmup: int, steps: int, devi
     """Median step time and peak GPU memory of a synthetic-token training loop (one sync per step)."""
     gen = torch.Generator(device=device).manual_seed(1)
     vocab = model.config.vocab_size
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     if opt.ratio is None:  # ratio="auto" times the forward and backward before its first step: warm them up
         tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -314,19 +316,17 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     budget = int(args.budget_gib * (1 << 30)) if args.budget_gib else None
 
-    def measure(ratio: float | str) -> tuple[dict[str, float], TwinFlowAdam]:
+    def measure(ratio: float | str) -> tuple[dict[str, float], dict[str, Any] | None]:
         torch.manual_seed(0)
         model = build_opt(args.model, device, dtype)
         opt = TwinFlowAdam(model.parameters(), lr=1e-5, ratio=ratio, placement=args.placement,
                            max_grad_norm=args.clip, memory_budget=budget).attach(model)  # fmt: skip
         result = _train_steps(model, opt, args.batch, args.seq, args.warmup, args.steps, device)
         opt.detach()
-        return result, opt
+        return result, opt.auto_decision
 
-    auto, opt = measure("auto")
-    decision = opt.auto_decision
+    auto, decision = measure("auto")
     inputs = Inputs(**decision["inputs"])
-    del opt
     rows = [{"ratio": decision["ratio"], "auto": True, **auto}]
     for ratio in args.ratios:
         gc.collect()

@@ -69,7 +69,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         ratio: float | str = 0.4,
         placement: str = "first",
         *,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = 128 << 20,
         num_threads: int | None = None,
         max_grad_norm: float | None = None,
         memory_margin: float = 0.1,
@@ -433,41 +433,49 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._build_state()
 
     def _step_device(self, states: list[_SegmentState]) -> None:
-        """Launches torch's fused Adam over the device-side masters, one launch per param group and batch.
+        """Launches torch's fused Adam over the device-side masters, per param group in bounded batches.
 
         bf16/fp16 gradients are upcast to fp32 at most _UPCAST_ELEMENTS at a
-        time, so the temporary memory stays small.
+        time (a large segment is cut into several pieces), so the temporary
+        memory stays under 256 MiB.
         """
         by_group: dict[int, list[_SegmentState]] = {}
         for st in states:
             by_group.setdefault(self._group_of[st.seg.index], []).append(st)
         for gi, group_states in by_group.items():
-            batch: list[_SegmentState] = []
+            torch._foreach_add_([st.device_step for st in group_states], 1)  # the kernels read the new step
+            batch: list[tuple[_SegmentState, int, int]] = []
             upcast = 0
             for st in group_states:
                 low = self._params[st.seg.index].grad.dtype != torch.float32
-                if batch and low and upcast + st.seg.numel > _UPCAST_ELEMENTS:
-                    self._step_device_batch(gi, batch)
-                    batch, upcast = [], 0
-                batch.append(st)
-                upcast += st.seg.numel if low else 0
+                size = _UPCAST_ELEMENTS if low else st.seg.numel
+                for a in range(0, st.seg.numel, size):
+                    b = min(st.seg.numel, a + size)
+                    if batch and low and upcast + b - a > _UPCAST_ELEMENTS:
+                        self._step_device_batch(gi, batch)
+                        batch, upcast = [], 0
+                    batch.append((st, a, b))
+                    upcast += b - a if low else 0
             if batch:
                 self._step_device_batch(gi, batch)
 
-    def _step_device_batch(self, gi: int, states: list[_SegmentState]) -> None:
+    def _step_device_batch(self, gi: int, pieces: list[tuple[_SegmentState, int, int]]) -> None:
+        """Elements [a, b) of each segment: upcast gradients, clip, fused Adam, rounded copy back."""
         group = self.param_groups[gi]
-        grads = []
-        for st in states:
-            g = self._params[st.seg.index].grad.reshape(-1)[st.seg.start : st.seg.end]
+        grads, masters, exp_avgs, exp_avg_sqs, steps, low = [], [], [], [], [], []
+        for st, a, b in pieces:
+            p = self._params[st.seg.index]
+            g = p.grad.reshape(-1)[st.seg.start + a : st.seg.start + b]
             grads.append(g if g.dtype == torch.float32 else g.float())
+            masters.append(st.master[a:b])
+            exp_avgs.append(st.exp_avg[a:b])
+            exp_avg_sqs.append(st.exp_avg_sq[a:b])
+            steps.append(st.device_step)
+            if p.dtype != torch.float32:
+                low.append((p.detach().view(-1)[st.seg.start + a : st.seg.start + b], masters[-1]))
         if self._clip_coef is not None:
             torch._foreach_mul_(grads, self._clip_coef)
-        masters = [st.master for st in states]
-        exp_avgs = [st.exp_avg for st in states]
-        exp_avg_sqs = [st.exp_avg_sq for st in states]
-        steps = [st.device_step for st in states]
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1)  # the fused kernels read the step after this update
         if group["bias_correction"]:
             fused = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
             fused(
@@ -477,10 +485,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             )  # fmt: skip
         else:
             _foreach_adam_no_bias_correction(masters, grads, exp_avgs, exp_avg_sqs, group)
-        low = [(st, m) for st, m in zip(states, masters) if self._params[st.seg.index].dtype != m.dtype]
         if low:
-            dst = [self._params[st.seg.index].detach().view(-1)[st.seg.start : st.seg.end] for st, _ in low]
-            torch._foreach_copy_(dst, [m for _, m in low])
+            torch._foreach_copy_([dst for dst, _ in low], [m for _, m in low])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's; also forgets gradients already streamed to the host for a step not yet taken."""
