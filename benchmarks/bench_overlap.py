@@ -63,7 +63,7 @@ def run_system(spec: dict, args) -> dict:
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
             max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
             memory_budget=int(spec["budget_gib"] * GIB) if spec.get("budget_gib") else None,
-            chunk_bytes=spec.get("chunk_mib", 32) << 20,
+            **({"chunk_bytes": spec["chunk_mib"] << 20} if spec.get("chunk_mib") else {}),
         )  # fmt: skip
         if spec.get("attach", True):
             opt.attach(model)

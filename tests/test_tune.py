@@ -83,6 +83,11 @@ def test_budget_caps_the_device_memory() -> None:
         num_threads=1,
     )  # fmt: skip
     assert d["inputs"]["budget_bytes"] == 0 and d["ratio"] == 1.0
+    d = IterationProbe(torch.device("cpu")).decide(
+        list(model.parameters()), placement="first", eager=False, release_grads=False, margin=0.1, budget=1000,
+        num_threads=1,
+    )  # fmt: skip
+    assert d["inputs"]["budget_bytes"] == 900  # the margin is kept below an explicit budget too
 
 
 def test_optimizer_decides_at_first_step_and_then_matches_adamw() -> None:

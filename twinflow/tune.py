@@ -27,7 +27,7 @@ F and B: forward and backward time):
   against 0.221 s at ratio 0, where a perfect overlap predicts no cost).
 
 The choice: among ratios whose predicted peak fits the memory budget (what
-the device can give less ``margin``, or a smaller ``budget`` in bytes), the
+the device can give, or a smaller ``budget`` in bytes, less ``margin`` of it), the
 fastest; where several are predicted within 2% of the fastest, the smallest
 of them. (Measured on an H100: where the model predicts the CPU's work fully
 hidden, the ratio at the edge of that region was 30% slower than ratio 0, so
@@ -235,12 +235,13 @@ class IterationProbe:
         low = sum(p.numel() for p in params if p.dtype != torch.float32)
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
-            capacity = int((free + torch.cuda.memory_reserved(self.device)) * (1 - margin))
+            capacity = free + torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             at_step = torch.cuda.memory_allocated(self.device)
         else:
             capacity, peak, at_step = 1 << 62, 0, 0
-        budget = capacity if budget is None else min(capacity, int(budget))
+        # The margin stays free below whichever limit applies (a 30 GiB budget plans for 27 GiB at margin 0.1).
+        budget = int((capacity if budget is None else min(capacity, int(budget))) * (1 - margin))
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = Inputs(
             elements=elements,
