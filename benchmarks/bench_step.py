@@ -57,45 +57,34 @@ def median_interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
 
 
 def staging_bandwidth(opt: TwinFlowAdam) -> dict:
-    """The transfer path alone: every CPU-part gradient down and every weight up, chunked, double-buffered."""
-    st = opt._staging
-    chunks = opt._plan_chunks(opt._cpu)
+    """The transfer path alone: every CPU-share gradient down into its chunk buffer, every weight back up."""
+    pipeline = opt._pipeline
+    streams = pipeline.streams
+    pieces = [pc for chunk in pipeline.chunks for pc in chunk.pieces]
     params = opt._params
 
     def down() -> None:
-        st.start_step()
-        for k, chunk in enumerate(chunks):
-            buf = k % 2
-            st.grad_ready[buf].synchronize()
-            with st.d2h():
-                for pc in chunk:
-                    g = params[pc.state.seg.index].grad
-                    src = g.view(-1)[pc.state.seg.start + pc.a : pc.state.seg.start + pc.b]
-                    st.view(st.grad_bufs[buf], pc.grad_offset, pc.b - pc.a, g.dtype).copy_(src, non_blocking=True)
-                st.grad_ready[buf].record()
-        torch.cuda.current_stream().wait_stream(st.d2h_stream)
+        streams.after_compute()
+        with streams.d2h():
+            sources = [params[pc.param].grad.view(-1)[pc.start : pc.end] for pc in pieces]
+            torch._foreach_copy_([pc.host for pc in pieces], sources, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(streams.d2h_stream)
 
     def up() -> None:
-        for k, chunk in enumerate(chunks):
-            buf = k % 2
-            st.upload_done[buf].synchronize()
-            with st.h2d():
-                for pc in chunk:
-                    p = params[pc.state.seg.index]
-                    dst = p.detach().view(-1)[pc.state.seg.start + pc.a : pc.state.seg.start + pc.b]
-                    dst.copy_(st.view(st.param_bufs[buf], pc.param_offset, pc.b - pc.a, p.dtype), non_blocking=True)
-                st.upload_done[buf].record()
-        st.finish_step()
+        with streams.h2d():
+            torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(streams.h2d_stream)
 
-    nbytes = sum(st_.seg.numel for st_ in opt._cpu) * 2
+    nbytes = sum(pc.host.numel() * pc.host.element_size() for pc in pieces)
     t = median_interleaved({"d2h": down, "h2d": up}, rounds=5)
     return {"bytes": nbytes, "d2h_gb_s": nbytes / t["d2h"] / 1e9, "h2d_gb_s": nbytes / t["h2d"] / 1e9}
 
 
 def measure_ratio(params: list[torch.nn.Parameter], ratio: float, chunk_bytes: int, rounds: int) -> dict:
     opt = TwinFlowAdam(params, lr=1e-5, ratio=ratio, chunk_bytes=chunk_bytes)
+    step_and_wait = lambda: (opt.step(), opt.synchronize())  # noqa: E731
     cpu_n = opt.split_summary["cpu"]["elements"]
-    fns = {"step": opt.step}
+    fns = {"step": step_and_wait}
     if cpu_n:
         # The same work as the CPU side, on host tensors alone: bf16 gradients in, bf16 copy out.
         p, m, v = torch.randn(cpu_n), torch.zeros(cpu_n), torch.zeros(cpu_n)
@@ -129,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunk-mib", type=int, default=32)
+    parser.add_argument("--chunk-mib", type=int, default=128)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--plain", action="store_true", help="no overlap: step() does all the CPU work itself")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +65,11 @@ def main() -> None:
     torch.manual_seed(0)
     vocab = 512
     model = TinyLM(vocab, args.dim, args.layers, 4, args.seq).to(device=device, dtype=dtype)
-    opt = TwinFlowAdam(model.parameters(), lr=args.lr, weight_decay=0.01, ratio=args.ratio, placement=args.placement)
+    opt = TwinFlowAdam(
+        model.parameters(), lr=args.lr, weight_decay=0.01, ratio=args.ratio, placement=args.placement, max_grad_norm=1.0
+    )
+    if not args.plain:
+        opt.attach(model)  # stream gradients in backward; the next forward waits only for what it uses
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     split = opt.split_summary
     print(
@@ -79,14 +84,14 @@ def main() -> None:
         tokens = synthetic_batch(gen, args.batch, args.seq, vocab, device)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
+        opt.step()  # clips by one global norm first (max_grad_norm)
+        opt.zero_grad(set_to_none=True)
         sched.step()
         losses.append(loss.item())
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    opt.synchronize()
     elapsed = time.perf_counter() - start
     summary = {
         "device": device,
@@ -95,6 +100,8 @@ def main() -> None:
         "last_loss": losses[-1],
         "seconds_per_step": elapsed / args.steps,
         "split": split,
+        "overlap": not args.plain,
+        "released_grad_bytes": opt.released_grad_bytes,
     }
     print(json.dumps(summary, indent=2))
     if losses[-1] >= losses[0]:
