@@ -212,8 +212,11 @@ class HostPipeline:
         if args is not None:
             self._start_worker()
 
-    def download(self, i: int, grad: torch.Tensor, release: bool = False) -> None:
-        """Queues the copy of parameter i's CPU share of `grad` into its chunks' buffers."""
+    def download(self, i: int, grad: torch.Tensor) -> None:
+        """Queues the copy of parameter i's CPU share of `grad` into its chunks' buffers.
+
+        The caller may drop `grad` as soon as this returns.
+        """
         if i in self._down:
             raise RuntimeError(
                 f"the gradient of parameter {i} reached TwinFlowAdam twice in one step; with gradient "
@@ -226,8 +229,10 @@ class HostPipeline:
             torch._foreach_copy_(
                 [pc.host for _, pc in pieces], [flat[pc.start : pc.end] for _, pc in pieces], non_blocking=True
             )
-        if release and self.streams.cuda:
-            grad.record_stream(self.streams.d2h_stream)
+        if self.streams.cuda:
+            # The copy may run after step() returns and the caller frees the gradient (zero_grad, or the
+            # release below): the allocator must not hand its memory out before the copy has read it.
+            flat.record_stream(self.streams.d2h_stream)
         with self._cond:
             self._down.add(i)
             for k in self.chunks_of[i]:

@@ -272,7 +272,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if not self._attach_options["eager"]:
             self._hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
         release = self._attach_options["release_grads"] and i in self._fully_cpu
-        pipeline.download(i, grad, release=release)
+        pipeline.download(i, grad)
         self._hooked.add(i)
         if release:
             self.released_grad_bytes += grad.numel() * grad.element_size()
