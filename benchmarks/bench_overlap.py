@@ -182,6 +182,11 @@ SETS = {
         {"kind": "tf", "ratio": "auto", "placement": "last"},
         {"kind": "tf", "ratio": "auto", "placement": "last", "budget_gib": 30},
     ],
+    "check": [
+        {"kind": "amp"},
+        {"kind": "tf", "ratio": 0.4, "placement": "last"},
+        {"kind": "tf", "ratio": 1.0, "placement": "last"},
+    ],
     "threads": [
         *({"kind": "tf", "ratio": 0.4, "placement": "last", "threads": t} for t in (12, 14, 15, 16)),
         *({"kind": "tf", "ratio": 1.0, "placement": "last", "threads": t} for t in (14, 15, 16)),

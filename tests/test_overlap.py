@@ -274,3 +274,131 @@ def test_released_gradients_lower_gpu_memory() -> None:
     assert opt.released_grad_bytes == sum(p.numel() * 2 for p in model.parameters())
     opt.step()
     opt.synchronize()
+
+
+# ------------------------------------------------------- review findings
+class Indirect(torch.nn.Module):
+    """Parameters read without their owner's forward: MHA's out_proj, a ParameterList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.scales = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(16))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0] * self.scales[0]
+
+
+def test_parameters_read_without_their_owners_forward_are_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from twinflow import pipeline
+
+    original = pipeline.HostPipeline._run_chunk
+
+    def slow(self, *args):  # a slow CPU side: the next forward would outrun it
+        time.sleep(0.03)
+        return original(self, *args)
+
+    monkeypatch.setattr(pipeline.HostPipeline, "_run_chunk", slow)
+    outputs = []
+    for attach in (False, True):
+        torch.manual_seed(0)
+        model = Indirect()
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, chunk_bytes=256)
+        if attach:
+            opt.attach(model)
+        gen, seen = torch.Generator().manual_seed(1), []
+        for _ in range(4):
+            out = model(torch.randn(2, 5, 16, generator=gen))
+            seen.append(out.detach().clone())
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        outputs.append(seen)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_attach_is_refused_under_a_multi_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    with pytest.raises(RuntimeError, match="all-reduce"):
+        opt.attach(model)
+
+
+def test_skipped_step_does_not_leak_its_clipping_coefficient() -> None:
+    """clip_grad_norm_, then zero_grad without a step: the next step clips by its own norm only."""
+    results = []
+    for skip_first in (False, True):
+        model = make("cpu", torch.float32)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, chunk_bytes=1024)
+        gen = torch.Generator().manual_seed(3)
+        if skip_first:
+            model(100 * torch.randn(4, 12, generator=gen)).sum().backward()
+            opt.clip_grad_norm_(1e-3)
+            opt.zero_grad()
+        else:
+            torch.randn(4, 12, generator=gen)
+        model(torch.randn(4, 12, generator=gen)).sum().backward()
+        opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_state_dict_between_backward_and_step_is_refused() -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=1024).attach(model)
+    model(torch.randn(4, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        opt.state_dict()
+    opt.step()
+    assert opt.state_dict()["state"]
+
+
+def test_eager_step_uses_one_set_of_hyperparameters_for_both_sides(caplog: pytest.LogCaptureFixture) -> None:
+    """lr changed after an eager backward: both sides use the values read at backward (and say so)."""
+    plain, opt_plain, over, opt_over = pair("cpu", torch.float32, 0.5, "last")
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(4))
+    for model, opt in ((plain, opt_plain), (over, opt_over)):
+        model(x).square().mean().backward()
+        if opt is opt_over:
+            for group in opt.param_groups:
+                group["lr"] = 0.5  # too late: the CPU share may already be stepping
+        with caplog.at_level("WARNING", logger="twinflow.twin_flow_adam"):
+            opt.step()
+        opt.synchronize()
+    assert "changed between backward and step()" in caplog.text
+    assert_same_weights(over, plain, exact=True)
+
+
+@pytest.mark.cuda
+def test_in_place_gradient_writes_wait_for_pending_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero_grad(set_to_none=False) right after step(): the zeroing must not overtake a queued copy."""
+    from twinflow import transfer
+
+    original = transfer.Streams.after_compute
+
+    def late_downloads(self):
+        original(self)
+        with torch.cuda.stream(self.d2h_stream):
+            torch.cuda._sleep(3_000_000)  # every download starts late
+
+    monkeypatch.setattr(transfer.Streams, "after_compute", late_downloads)
+    results = []
+    for attach in (False, True):
+        torch.manual_seed(0)
+        model = Net().cuda()
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=1024)
+        if attach:
+            opt.attach(model, release_grads=False)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(8, 12, device="cuda", generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        opt.synchronize()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

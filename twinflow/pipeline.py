@@ -194,6 +194,11 @@ class HostPipeline:
     def downloaded(self, i: int) -> bool:
         return i in self._down
 
+    @property
+    def released_args(self) -> StepArgs | None:
+        """The arguments an eager step was opened with (the worker may already use them), else None."""
+        return self._args if self._phase == "open" else None
+
     def open(self, args: StepArgs | None = None) -> None:
         """Starts a step's downloads; with `args` the worker may step chunks as soon as they are down."""
         self.finish()
@@ -219,8 +224,10 @@ class HostPipeline:
         """
         if i in self._down:
             raise RuntimeError(
-                f"the gradient of parameter {i} reached TwinFlowAdam twice in one step; with gradient "
-                "accumulation, run every backward but the last inside `with optimizer.no_sync():`"
+                f"the gradient of parameter {i} reached TwinFlowAdam twice in one step. With gradient "
+                "accumulation, run every backward but the last inside `with optimizer.no_sync():`. A parameter "
+                "used both inside and outside a reentrant activation checkpoint (use_reentrant=True) is also "
+                "accumulated twice: use use_reentrant=False"
             )
         flat = grad.reshape(-1)
         pieces = self.pieces_of[i]
@@ -259,6 +266,7 @@ class HostPipeline:
                 self._args = args
             self._phase = "sealed"
             self._cond.notify_all()
+        self.streams.compute_after_downloads()
         self._start_worker()
 
     def _push_ready(self, k: int) -> None:
@@ -276,6 +284,7 @@ class HostPipeline:
             self._done = [True] * len(self.chunks)
             self._phase = "sealed"
             self._cond.notify_all()
+        self.streams.compute_after_downloads()
         self.finish()
 
     def wait(self, chunk_ids: list[int]) -> None:
@@ -318,6 +327,7 @@ class HostPipeline:
             self._phase = "sealed"
             self._ready = []
             self._done = [True] * len(self.chunks)
+        self.streams.compute_after_downloads()
         self.finish()
 
     def close(self) -> None:

@@ -51,6 +51,15 @@ class Streams:
         if self.cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def compute_after_downloads(self) -> None:
+        """The current stream waits for every queued download (no host synchronisation).
+
+        Whatever it runs next may write the gradients in place (zero_grad without set_to_none, an
+        accumulating backward): those writes must not overtake the copies still reading them.
+        """
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h_stream)
+
     def compute_waits(self, event: torch.cuda.Event | NoEvent) -> None:
         """Work queued from now on on the current stream waits for `event` (no host synchronisation)."""
         if self.cuda:

@@ -12,7 +12,8 @@ F and B: forward and backward time):
 
 - memory: peak(r) = first-iteration peak + (1 - r) N x device state bytes
   (fp32 master and moments) + the upcast batch, less the CPU share's
-  gradients when backward releases them (``attach(release_grads=True)``);
+  gradients when backward releases them (``attach(release_grads=True)``,
+  placement "last", whose gradients arrive first);
   and at least what the first step itself needs (every gradient is still on
   the device then, with the new state beside it).
 - time, plain steps: F + B + max(G, C).
@@ -248,7 +249,9 @@ class IterationProbe:
             grad_bytes=grad_bytes,
             state_bytes_per_element=(12 * low + 8 * (elements - low)) / max(elements, 1),
             temp_bytes=min(low, 1 << 26) * 4,
-            released_bytes_per_ratio=grad_bytes if release_grads else 0,
+            # With "first" the CPU share's gradients come last in backward, after the memory peak may have
+            # passed: only "last" counts on their release.
+            released_bytes_per_ratio=grad_bytes if release_grads and placement == "last" else 0,
             first_peak_bytes=peak,
             at_step_bytes=at_step,
             budget_bytes=budget,

@@ -203,10 +203,25 @@ class TwinFlowAdam(torch.optim.Optimizer):
           owns are waited for at the end of ``step()``.
 
         With gradient accumulation, run every backward but the last of a
-        window inside ``with optimizer.no_sync():``.
+        window inside ``with optimizer.no_sync():``. Under eager overlap the
+        step's hyper-parameters (lr, ...) are those read when backward began
+        delivering gradients, on both sides.
+
+        Not supported: torch.distributed with more than one process (the
+        hooks would read gradients before DDP averages them; refused), and
+        ``torch.amp.GradScaler`` (loss scaling needs every gradient first;
+        bf16 needs none, and fp16 models get TwinFlowAdam's own overflow
+        skipping).
         """
         if self._model is not None:
             raise RuntimeError("TwinFlowAdam.attach() was already called; call detach() first")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:
+                raise RuntimeError(
+                    "TwinFlowAdam.attach() under torch.distributed: its hooks read each gradient before DDP's "
+                    "all-reduce has averaged it. Use TwinFlowAdam without attach() there (step() runs after "
+                    "the all-reduce)"
+                )
         fp16 = any(p.dtype == torch.float16 for p in self._params)
         if eager is None:
             eager = self.max_grad_norm is None and not fp16
@@ -229,18 +244,26 @@ class TwinFlowAdam(torch.optim.Optimizer):
             return
         for i in pipeline.pieces_of:
             self._handles.append(self._params[i].register_post_accumulate_grad_hook(self._on_grad))
+        # A module's pre-hook waits for its own parameters and its direct children's: modules such as
+        # nn.MultiheadAttention read a child's weight without calling the child, and containers
+        # (ParameterList) have no forward of their own. Coverage is counted per parameter.
         covered: set[int] = set()
         for module in model.modules():
-            chunk_ids = sorted(
-                {k for p in module.parameters(recurse=False) if id(p) in self._index
-                 for k in pipeline.chunks_of.get(self._index[id(p)], [])}
-            )  # fmt: skip
-            if chunk_ids:
-                covered.update(chunk_ids)
+            owned = list(module.parameters(recurse=False))
+            for child in module.children():
+                owned += list(child.parameters(recurse=False))
+            indices = {
+                self._index[id(p)] for p in owned if id(p) in self._index and self._index[id(p)] in pipeline.chunks_of
+            }
+            if indices:
+                covered |= indices
+                chunk_ids = sorted({k for i in indices for k in pipeline.chunks_of[i]})
                 self._handles.append(module.register_forward_pre_hook(_WaitFor(pipeline, chunk_ids)))
-        self._unwaited = [k for k in range(len(pipeline.chunks)) if k not in covered]
-        if self._unwaited:
-            log.warning("%d chunks hold parameters no module of the attached model owns", len(self._unwaited))
+        uncovered = [i for i in pipeline.chunks_of if i not in covered]
+        self._unwaited = sorted({k for i in uncovered for k in pipeline.chunks_of[i]})
+        if uncovered:
+            log.warning("%d CPU-stepped parameters belong to no module of the attached model; step() waits "
+                        "for them", len(uncovered))  # fmt: skip
         self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
 
     def detach(self) -> None:
@@ -396,12 +419,19 @@ class TwinFlowAdam(torch.optim.Optimizer):
             return loss
         if self.max_grad_norm is not None and self._clip_coef is None:
             self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+        args = self._step_args()
         if pipeline is not None:
-            args = self._step_args()
-            args.scale = self._cpu_scale()
+            eager = pipeline.released_args
+            if eager is not None:  # the CPU share has been stepping since backward: both sides use its values
+                if eager.groups != args.groups:
+                    log.warning("hyper-parameters changed between backward and step(); under eager overlap the "
+                                "step uses the values read when backward began delivering gradients")  # fmt: skip
+                args = eager
+            else:
+                args.scale = self._cpu_scale()
             pipeline.seal(args)
         has_grad = set(with_grad)
-        self._step_device([st for st in self._dev if st.seg.index in has_grad])
+        self._step_device([st for st in self._dev if st.seg.index in has_grad], args.groups)
         for i in with_grad:
             self._steps[i] += 1
         if pipeline is not None:
@@ -432,7 +462,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)
         self._build_state()
 
-    def _step_device(self, states: list[_SegmentState]) -> None:
+    def _step_device(self, states: list[_SegmentState], groups: list[dict[str, Any]]) -> None:
         """Launches torch's fused Adam over the device-side masters, per param group in bounded batches.
 
         bf16/fp16 gradients are upcast to fp32 at most _UPCAST_ELEMENTS at a
@@ -452,16 +482,18 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 for a in range(0, st.seg.numel, size):
                     b = min(st.seg.numel, a + size)
                     if batch and low and upcast + b - a > _UPCAST_ELEMENTS:
-                        self._step_device_batch(gi, batch)
+                        self._step_device_batch(groups[gi], batch)
                         batch, upcast = [], 0
                     batch.append((st, a, b))
                     upcast += b - a if low else 0
             if batch:
-                self._step_device_batch(gi, batch)
+                self._step_device_batch(groups[gi], batch)
 
-    def _step_device_batch(self, gi: int, pieces: list[tuple[_SegmentState, int, int]]) -> None:
-        """Elements [a, b) of each segment: upcast gradients, clip, fused Adam, rounded copy back."""
-        group = self.param_groups[gi]
+    def _step_device_batch(self, group: dict[str, Any], pieces: list[tuple[_SegmentState, int, int]]) -> None:
+        """Elements [a, b) of each segment: upcast gradients, clip, fused Adam, rounded copy back.
+
+        `group` holds this step's hyper-parameters (``_step_args``' layout).
+        """
         grads, masters, exp_avgs, exp_avg_sqs, steps, low = [], [], [], [], [], []
         for st, a, b in pieces:
             p = self._params[st.seg.index]
@@ -475,12 +507,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 low.append((p.detach().view(-1)[st.seg.start + a : st.seg.start + b], masters[-1]))
         if self._clip_coef is not None:
             torch._foreach_mul_(grads, self._clip_coef)
-        beta1, beta2 = group["betas"]
         if group["bias_correction"]:
             fused = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
             fused(
                 masters, grads, exp_avgs, exp_avg_sqs, [], steps,
-                lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                lr=group["lr"], beta1=group["beta1"], beta2=group["beta2"], weight_decay=group["weight_decay"],
                 eps=group["eps"], amsgrad=False, maximize=False,
             )  # fmt: skip
         else:
@@ -492,13 +523,18 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """As torch.optim's; also forgets gradients already streamed to the host for a step not yet taken."""
         if self._pipeline is not None and self._pipeline.phase == "open":
             self._pipeline.reset()
-            self._end_step()
+        self._end_step()  # a clipping coefficient of a step never taken must not reach the next one
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state
     def _require_state(self) -> None:
         if self.ratio is None:
             raise RuntimeError("ratio='auto' is decided at the first step(); there is no state before it")
+        if self._pipeline is not None and self._pipeline.phase == "open":
+            raise RuntimeError(
+                "TwinFlowAdam's state is in the middle of a step (gradients streamed, step() not called yet); "
+                "call step() first, then save or load"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (+ ``master``), on the CPU."""
@@ -597,9 +633,9 @@ def _foreach_adam_no_bias_correction(
     exp_avg_sqs: list[torch.Tensor],
     group: dict[str, Any],
 ) -> None:
-    """Adam/AdamW without bias correction (torch's fused kernels always correct)."""
-    beta1, beta2 = group["betas"]
-    lr, wd = float(group["lr"]), group["weight_decay"]
+    """Adam/AdamW without bias correction (torch's fused kernels always correct); `group` as ``_step_args``'."""
+    beta1, beta2 = group["beta1"], group["beta2"]
+    lr, wd = group["lr"], group["weight_decay"]
     if wd != 0:
         if group["adamw_mode"]:
             torch._foreach_mul_(params, 1 - lr * wd)
