@@ -289,8 +289,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         i = self._index[id(p)]
         pipeline = self._pipeline
         if pipeline.phase != "open":
-            pipeline.open(self._step_args() if self._attach_options["eager"] else None)
-            self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
+            self._open_step(self._step_args() if self._attach_options["eager"] else None)
         grad = p.grad
         if not self._attach_options["eager"]:
             self._hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
@@ -300,6 +299,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if release:
             self.released_grad_bytes += grad.numel() * grad.element_size()
             p.grad = None
+
+    def _open_step(self, args: StepArgs | None) -> None:
+        """A step's first gradient is about to go down (`args`: eager, the worker may start at once)."""
+        self._pipeline.open(args)
+        self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
 
     def synchronize(self) -> None:
         """Waits until every weight of the last step is back on the device (the current stream sees it)."""
@@ -397,8 +401,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self._choose_ratio()
         pipeline = self._pipeline
         if pipeline is not None and pipeline.phase != "open":
-            pipeline.open()
-            self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
+            self._open_step(None)
         with_grad = self._with_grad()
         for i in with_grad:
             g = self._params[i].grad
