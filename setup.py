@@ -33,7 +33,7 @@ setup(
     packages=find_packages(include=["twinflow", "twinflow.*"]),
     # torch is deliberately unpinned: install the build for your machine first
     # (CPU: `pip install torch==2.13.0`), and pip keeps it.
-    install_requires=["torch>=2.4", "numpy", "ninja"],
+    install_requires=["torch>=2.4", "numpy", "ninja", "pydantic>=2.6"],
     extras_require={
         "test": ["pytest>=8", "ruff==0.17.6"],
         "examples": ["tqdm", "transformers"],

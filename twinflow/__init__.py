@@ -1,9 +1,10 @@
 """twinflow: Adam with a configurable share of the optimizer step on the CPU."""
 
+from twinflow.config import Config, ConfigError, load_config
 from twinflow.cpu_adam import CPUAdam
 from twinflow.ops import BuildError
 from twinflow.twin_flow_adam import TwinFlowAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BuildError", "CPUAdam", "TwinFlowAdam", "__version__"]
+__all__ = ["BuildError", "CPUAdam", "Config", "ConfigError", "TwinFlowAdam", "__version__", "load_config"]
