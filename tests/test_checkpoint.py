@@ -1,0 +1,124 @@
+"""Checkpoints: resume reproduces the uninterrupted run; a bad checkpoint is refused and changes nothing."""
+
+import pytest
+import torch
+
+from twinflow import TwinFlowAdam
+from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from twinflow.schedulers import WarmupDecayLR
+
+
+def build(ratio: float = 0.5, seed: int = 0, width: int = 16):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 3))
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, weight_decay=0.01, ratio=ratio, chunk_bytes=256)
+    sched = WarmupDecayLR(opt, total_num_steps=20, warmup_max_lr=0.02, warmup_num_steps=4, warmup_type="linear")
+    return model, opt, sched
+
+
+def train(model, opt, sched, gen: torch.Generator, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model, opt, sched) -> list:
+    return [{k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), sched.state_dict()]
+
+
+def assert_unchanged(before: list, after: list) -> None:
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    for i, entry in before[1]["state"].items():
+        assert all(torch.equal(v, after[1]["state"][i][k]) for k, v in entry.items())
+    assert before[2] == after[2]
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path) -> None:
+    model, opt, sched = build()
+    gen = torch.Generator().manual_seed(1)
+    train(model, opt, sched, gen, 3)
+    save_checkpoint(tmp_path, "step3", model=model, optimizer=opt, scheduler=sched,
+                    extra={"rng": gen.get_state(), "step": 3}, meta={"ratio": 0.5})  # fmt: skip
+    uninterrupted = train(model, opt, sched, gen, 5)
+
+    model2, opt2, sched2 = build(seed=99)  # other weights: everything must come from the checkpoint
+    extra, meta = load_checkpoint(tmp_path, model=model2, optimizer=opt2, scheduler=sched2)
+    gen2 = torch.Generator()
+    gen2.set_state(extra["rng"])
+    assert extra["step"] == 3 and meta["meta"] == {"ratio": 0.5} and meta["world_size"] == 1
+    assert train(model2, opt2, sched2, gen2, 5) == uninterrupted
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_resume_under_another_ratio(tmp_path) -> None:
+    model, opt, sched = build(ratio=0.2)
+    gen = torch.Generator().manual_seed(2)
+    train(model, opt, sched, gen, 3)
+    save_checkpoint(tmp_path, "a", model=model, optimizer=opt, scheduler=sched, extra={"rng": gen.get_state()})
+    uninterrupted = train(model, opt, sched, gen, 4)
+    model2, opt2, sched2 = build(ratio=0.9, seed=5)
+    extra, _ = load_checkpoint(tmp_path, "a", model=model2, optimizer=opt2, scheduler=sched2)
+    gen.set_state(extra["rng"])
+    assert train(model2, opt2, sched2, gen, 4) == pytest.approx(uninterrupted, rel=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta", "no_latest", "model_shape", "optimizer"])
+def test_bad_checkpoint_is_refused_and_changes_nothing(tmp_path, damage: str) -> None:
+    model, opt, sched = build()
+    train(model, opt, sched, torch.Generator().manual_seed(3), 2)
+    save_checkpoint(tmp_path, "t", model=model, optimizer=opt, scheduler=sched)
+    shard = tmp_path / "t" / "rank0.pt"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "no_meta":
+        (tmp_path / "t" / "meta.json").unlink()
+    elif damage == "no_latest":
+        (tmp_path / "latest").unlink()
+    target = build(width=17 if damage == "model_shape" else 16, seed=7)
+    if damage == "optimizer":  # the same model, an optimizer with another parameter grouping
+        m = target[0]
+        groups = [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}]
+        opt2 = TwinFlowAdam(groups, ratio=0.5, chunk_bytes=256)
+        target = (m, opt2, WarmupDecayLR(opt2, total_num_steps=20))
+    train(*target, torch.Generator().manual_seed(4), 1)
+    before = snapshot(*target)
+    message = {
+        "truncate": "truncated or corrupted",
+        "flip": "truncated or corrupted",
+        "no_meta": "incomplete",
+        "no_latest": "no checkpoint",
+        "model_shape": "shape",
+        "optimizer": "optimizer state does not fit",
+    }
+    with pytest.raises(CheckpointError, match=message[damage]):
+        load_checkpoint(tmp_path, model=target[0], optimizer=target[1], scheduler=target[2])
+    assert_unchanged(before, snapshot(*target))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, sched = build()
+    save_checkpoint(tmp_path, "old", model=model, optimizer=opt, scheduler=sched)
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, "new", model=model, optimizer=opt, scheduler=sched)
+    assert (tmp_path / "latest").read_text() == "old"
+    assert not any(p.name.startswith(".") for p in tmp_path.rglob("*"))  # no temporary files left
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(tmp_path, "new", model=model, optimizer=opt, scheduler=sched)
+    monkeypatch.undo()
+    load_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
