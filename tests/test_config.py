@@ -138,3 +138,12 @@ def test_file_problems_are_config_errors(tmp_path) -> None:
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="expected a JSON object"):
         load_config(bad)
+
+
+def test_the_example_config_loads() -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "configs" / "twin_flow_bf16.json"
+    config = load_config(path, world_size=2)
+    assert config.ratio == 0.4 and config.bf16.enabled and config.train_batch_size == 8
+    assert config.scheduler.type == "WarmupDecayLR" and config.optimizer.adamw_mode

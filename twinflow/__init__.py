@@ -2,9 +2,20 @@
 
 from twinflow.config import Config, ConfigError, load_config
 from twinflow.cpu_adam import CPUAdam
+from twinflow.engine import Engine, initialize
 from twinflow.ops import BuildError
 from twinflow.twin_flow_adam import TwinFlowAdam
 
 __version__ = "0.1.0"
 
-__all__ = ["BuildError", "CPUAdam", "Config", "ConfigError", "TwinFlowAdam", "__version__", "load_config"]
+__all__ = [
+    "BuildError",
+    "CPUAdam",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "TwinFlowAdam",
+    "__version__",
+    "initialize",
+    "load_config",
+]

@@ -1,0 +1,178 @@
+"""``twinflow.initialize``: a DeepSpeed-shaped engine over TwinFlowAdam and PyTorch's own distributed engines.
+
+What it does with a config (see :mod:`twinflow.config`):
+
+- precision: ``bf16.enabled`` casts the model to bfloat16 (TwinFlowAdam keeps
+  fp32 masters); otherwise it trains in the model's dtype.
+- optimizer: TwinFlowAdam with the config's Adam/AdamW parameters, the
+  offload ratio and ``gradient_clipping`` as its ``max_grad_norm``.
+- scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR.
+- accumulation: ``backward`` divides the loss by the accumulation steps
+  (DeepSpeed's default) and streams gradients only on the closing micro-step;
+  ``step`` steps only at the boundary.
+- one process: TwinFlowAdam is attached to the model (gradients stream in
+  backward, the CPU overlaps). Several processes (torchrun): stage 0 wraps the
+  model in DDP; stage 1 also shards the optimizer state with
+  ``torch.distributed.optim.ZeroRedundancyOptimizer``, each rank's share
+  stepped by TwinFlowAdam at the configured ratio.
+- checkpoints: :mod:`twinflow.checkpoint` (atomic, one shard per rank).
+
+Not built yet (refused with a ConfigError): ZeRO stages 2 and 3 (FSDP2) on
+several processes, and fp16 loss scaling.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinflow.checkpoint import load_checkpoint, save_checkpoint
+from twinflow.config import Config, ConfigError, load_config
+from twinflow.schedulers import build_scheduler
+from twinflow.twin_flow_adam import TwinFlowAdam
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Runs forward, backward and step as a DeepSpeed engine does; built by :func:`initialize`."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, model_parameters: Any | None) -> None:
+        self.config = config
+        self.world_size = config.world_size
+        self.module = model
+        if config.bf16.enabled:
+            model.to(torch.bfloat16)
+        stage = config.zero_optimization.stage
+        distributed = self.world_size > 1
+        if distributed and stage >= 2:
+            raise ConfigError(
+                f"zero_optimization.stage = {stage}: stages 2 and 3 (FSDP2) are not built yet for several "
+                "processes; use stage 0 (DDP) or 1 (sharded optimizer state)"
+            )
+        self.network = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+        params = model_parameters if model_parameters is not None else model.parameters()
+        kwargs = self._optimizer_kwargs()
+        # ZeRO-1: each rank's TwinFlowAdam sees only its share, so clipping by its own norm would be wrong.
+        # DDP leaves every rank the whole averaged gradient: the engine clips over the whole model instead.
+        self._clip_in_engine = distributed and stage == 1 and config.gradient_clipping > 0
+        if distributed and stage == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            kwargs["max_grad_norm"] = None
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=TwinFlowAdam, **kwargs)
+            self.local_optimizer = self.optimizer.optim
+        else:
+            self.optimizer = self.local_optimizer = TwinFlowAdam(params, **kwargs)
+        if not distributed:
+            self.local_optimizer.attach(model)
+        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
+        self.global_steps = 0
+        self.micro_steps = 0
+
+    def _optimizer_kwargs(self) -> dict[str, Any]:
+        config = self.config
+        if config.fp16.enabled:
+            raise ConfigError("fp16.enabled: fp16 loss scaling is not built into initialize yet; use bf16")
+        opt = config.optimizer
+        kwargs: dict[str, Any] = {
+            "ratio": config.ratio,
+            "max_grad_norm": config.gradient_clipping or None,
+        }
+        if opt is not None:
+            p = opt.params
+            kwargs |= {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
+                       "adamw_mode": opt.adamw_mode, "bias_correction": p.bias_correction}  # fmt: skip
+        return kwargs
+
+    # ------------------------------------------------------------- training
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.network(*inputs, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming backward closes an accumulation window."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of loss / accumulation steps; only the closing micro-step syncs and streams gradients."""
+        scaled = loss / self.config.gradient_accumulation_steps
+        if self.is_gradient_accumulation_boundary():
+            scaled.backward()
+        else:
+            with self._no_sync():
+                scaled.backward()
+        self.micro_steps += 1
+
+    def _no_sync(self):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if isinstance(self.network, torch.nn.parallel.DistributedDataParallel):
+            stack.enter_context(self.network.no_sync())
+        if isinstance(self.local_optimizer, TwinFlowAdam):
+            stack.enter_context(self.local_optimizer.no_sync())
+        return stack
+
+    def step(self) -> None:
+        """At an accumulation boundary: optimizer step (clipping inside), scheduler step, gradients cleared."""
+        if self.micro_steps % self.config.gradient_accumulation_steps != 0:
+            return
+        if self._clip_in_engine:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        if self.global_steps % self.config.steps_per_print == 0:
+            lrs = [g["lr"] for g in self.optimizer.param_groups]
+            log.info("step %d, lr %s", self.global_steps, lrs)
+
+    # ---------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
+        """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically."""
+        tag = tag or f"global_step{self.global_steps}"
+        extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {}}
+        meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio}
+        return save_checkpoint(save_dir, tag, model=self.module, optimizer=self.local_optimizer,
+                               scheduler=self.lr_scheduler, extra=extra, meta=meta)  # fmt: skip
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
+        """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
+        extra, _ = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
+                                   scheduler=self.lr_scheduler)  # fmt: skip
+        if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
+            for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
+                group["lr"] = local["lr"]
+        self.global_steps, self.micro_steps = int(extra["global_steps"]), int(extra["micro_steps"])
+        return Path(load_dir) / (tag or (Path(load_dir) / "latest").read_text().strip()), extra["client_state"]
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: str | Path | dict | Config,
+    model_parameters: Any | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+) -> tuple[Engine, torch.optim.Optimizer, torch.utils.data.DataLoader | None, Any]:
+    """Shaped like ``deepspeed.initialize``: returns (engine, optimizer, dataloader, lr_scheduler).
+
+    The dataloader (when `training_data` is given) yields micro-batches of
+    ``train_micro_batch_size_per_gpu``, shuffled; with several processes each
+    rank reads its own part (DistributedSampler).
+    """
+    if not isinstance(config, Config):
+        config = load_config(config)
+    engine = Engine(model, config, model_parameters)
+    loader = None
+    if training_data is not None:
+        if engine.world_size > 1:
+            sampler = torch.utils.data.distributed.DistributedSampler(training_data)
+        else:
+            sampler = torch.utils.data.RandomSampler(training_data)
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler
+        )
+    return engine, engine.optimizer, loader, engine.lr_scheduler
