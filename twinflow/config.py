@@ -317,6 +317,13 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{path} = {error.get('input')!r}: {message}"
 
 
+def _divide(train: int, factor: int, what: str) -> int:
+    quotient, rest = divmod(train, factor)
+    if rest or quotient == 0:
+        raise ConfigError(f"train_batch_size = {train} is not a multiple of {what}")
+    return quotient
+
+
 def derive_batch_sizes(
     train: int | None, micro: int | None, accumulation: int | None, world_size: int
 ) -> tuple[int, int, int]:
@@ -330,22 +337,12 @@ def derive_batch_sizes(
             )
         return train, micro, accumulation
     if train is not None and micro is not None:
-        accumulation, rest = divmod(train, micro * world_size)
-        if rest or accumulation == 0:
-            raise ConfigError(
-                f"train_batch_size = {train} is not a multiple of train_micro_batch_size_per_gpu x world size = "
-                f"{micro} x {world_size}"
-            )
-        return train, micro, accumulation
+        what = f"train_micro_batch_size_per_gpu x world size = {micro} x {world_size}"
+        return train, micro, _divide(train, micro * world_size, what)
     if train is not None:
         accumulation = accumulation or 1
-        micro, rest = divmod(train, accumulation * world_size)
-        if rest or micro == 0:
-            raise ConfigError(
-                f"train_batch_size = {train} is not a multiple of gradient_accumulation_steps x world size = "
-                f"{accumulation} x {world_size}"
-            )
-        return train, micro, accumulation
+        what = f"gradient_accumulation_steps x world size = {accumulation} x {world_size}"
+        return train, _divide(train, accumulation * world_size, what), accumulation
     if micro is not None:
         accumulation = accumulation or 1
         return micro * accumulation * world_size, micro, accumulation
