@@ -81,7 +81,7 @@ def test_engine_checkpoint_resume_is_exact(tmp_path) -> None:
     assert engine_losses(fresh, data[8:]) == uninterrupted
 
 
-def test_unbuilt_modes_are_refused_by_name() -> None:
+def test_fp16_is_refused_by_name() -> None:
     with pytest.raises(twinflow.ConfigError, match="fp16 loss scaling is not built"):
         twinflow.initialize(model=make_model(), config={"train_batch_size": 4, "fp16": {"enabled": True}})
 
@@ -90,6 +90,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _gather(params) -> list[torch.Tensor]:
+    """Whole parameters: FSDP2's DTensors are gathered (every rank takes part)."""
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
 
 
 def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
@@ -103,14 +108,25 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
             assert type(opt).__name__ == "ZeroRedundancyOptimizer" and 0 < len(local) < 4
         else:
             assert opt is engine.local_optimizer and len(local) == 4
+        if stage >= 2:  # FSDP2: TwinFlowAdam holds this rank's shards
+            assert type(local[0]).__name__ == "DTensor" and opt.split_summary["cpu"]["elements"] > 0
         data = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(12, 4, seed=5)]
-        engine_losses(engine, data)
-        torch.save([p.detach() for p in engine.module.parameters()], os.path.join(out, f"rank{rank}.pt"))
+        if stage == 3:  # also: a checkpoint saved by 2 ranks resumes on 2 ranks with the same losses
+            engine_losses(engine, data[:8])
+            engine.save_checkpoint(os.path.join(out, "ckpt"))
+            tail = engine_losses(engine, data[8:])
+            fresh, *_ = twinflow.initialize(model=make_model(seed=11), config=config)
+            fresh.load_checkpoint(os.path.join(out, "ckpt"))
+            assert engine_losses(fresh, data[8:]) == tail
+        else:
+            engine_losses(engine, data)
+        params = _gather(engine.module.parameters())
+        torch.save(params, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_processes_match_one(tmp_path, stage: int) -> None:
     """2 ranks x micro-batch 2 (gloo, CPU) against 1 process x micro-batch 4 over the same samples."""
     mp.spawn(_worker, args=(2, _free_port(), stage, str(tmp_path)), nprocs=2, join=True)

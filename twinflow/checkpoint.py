@@ -60,6 +60,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as this rank holds it: local shards of FSDP2's DTensors, plain tensors otherwise."""
+    from twinflow.twin_flow_adam import _local
+
+    return {key: _local(value) for key, value in model.state_dict().items()}
+
+
 def _rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -93,7 +100,7 @@ def save_checkpoint(
     folder = Path(directory) / tag
     folder.mkdir(parents=True, exist_ok=True)
     shard = {
-        "model": model.state_dict(),
+        "model": _local_state(model),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "extra": extra or {},
@@ -135,6 +142,13 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
         raise CheckpointError(f"{meta_path}: corrupted metadata ({exc.msg})") from exc
 
 
+@torch.no_grad()
+def _copy_into(targets: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """In place, into the tensors the model holds (state_dict values share their storage)."""
+    for key, target in targets.items():
+        target.copy_(values[key])
+
+
 def load_checkpoint(
     directory: str | Path,
     tag: str | None = None,
@@ -169,7 +183,7 @@ def load_checkpoint(
             "recorded, or a different hash); load another tag"
         )
     shard = torch.load(path, map_location="cpu", weights_only=True)
-    current = model.state_dict()
+    current = _local_state(model)
     saved = shard["model"]
     if set(saved) != set(current):
         missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
@@ -186,11 +200,11 @@ def load_checkpoint(
     # The model first: an optimizer without a saved master (fp32 parameters) takes it from the weights. If the
     # optimizer then refuses its state (it checks before changing anything), the model gets its weights back.
     backup = {key: value.detach().clone() for key, value in current.items()}
-    model.load_state_dict(saved)
+    _copy_into(current, saved)
     try:
         optimizer.load_state_dict(shard["optimizer"])
     except (ValueError, KeyError, RuntimeError) as exc:
-        model.load_state_dict(backup)
+        _copy_into(current, backup)
         raise CheckpointError(f"checkpoint {tag!r}: the optimizer state does not fit: {exc}") from exc
     if scheduler is not None:
         scheduler.load_state_dict(shard["scheduler"])

@@ -14,11 +14,12 @@ What it does with a config (see :mod:`twinflow.config`):
   backward, the CPU overlaps). Several processes (torchrun): stage 0 wraps the
   model in DDP; stage 1 also shards the optimizer state with
   ``torch.distributed.optim.ZeroRedundancyOptimizer``, each rank's share
-  stepped by TwinFlowAdam at the configured ratio.
+  stepped by TwinFlowAdam at the configured ratio; stages 2 and 3 shard the
+  model with FSDP2 (``fully_shard``; reshard after forward off for 2, on for
+  3) and TwinFlowAdam steps each rank's local shards.
 - checkpoints: :mod:`twinflow.checkpoint` (atomic, one shard per rank).
 
-Not built yet (refused with a ConfigError): ZeRO stages 2 and 3 (FSDP2) on
-several processes, and fp16 loss scaling.
+Not built yet (refused with a ConfigError): fp16 loss scaling.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ class Engine:
         stage = config.zero_optimization.stage
         distributed = self.world_size > 1
         if distributed and stage >= 2:
-            raise ConfigError(
-                f"zero_optimization.stage = {stage}: stages 2 and 3 (FSDP2) are not built yet for several "
-                "processes; use stage 0 (DDP) or 1 (sharded optimizer state)"
-            )
-        self.network = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+            _fully_shard(model, reshard_after_forward=stage == 3)
+            self.network = model
+        elif distributed:
+            self.network = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            self.network = model
         params = model_parameters if model_parameters is not None else model.parameters()
         kwargs = self._optimizer_kwargs()
         # ZeRO-1: each rank's TwinFlowAdam sees only its share, so clipping by its own norm would be wrong.
@@ -149,6 +151,25 @@ class Engine:
                 group["lr"] = local["lr"]
         self.global_steps, self.micro_steps = int(extra["global_steps"]), int(extra["micro_steps"])
         return Path(load_dir) / (tag or (Path(load_dir) / "latest").read_text().strip()), extra["client_state"]
+
+
+def _fully_shard(model: torch.nn.Module, reshard_after_forward: bool) -> None:
+    """FSDP2 over every member of the model's ModuleLists (its blocks), then the root.
+
+    Stage 2 keeps the gathered parameters from forward to backward (ZeRO-2's
+    memory for gradients and optimizer state, parameters whole); stage 3
+    reshards them after forward (ZeRO-3).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def initialize(

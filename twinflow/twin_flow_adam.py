@@ -19,6 +19,11 @@ from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
 log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+try:  # FSDP2 parameters and gradients are DTensors; TwinFlowAdam steps their local shards
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch without torch.distributed
+    _DTensor = None
 _UPCAST_ELEMENTS = 1 << 26  # device side: bf16/fp16 gradients are upcast at most this many elements at a time
 
 
@@ -92,8 +97,13 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._group_of = [gi for gi, group in enumerate(self.param_groups) for _ in group["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
+        # What this process holds of each parameter (a DTensor's local shard under FSDP2): all math uses these.
+        self._locals = [_local(p.detach()) for p in self._params]
+        self._mesh_group = next(
+            (p.device_mesh.get_group() for p in self._params if _DTensor is not None and isinstance(p, _DTensor)), None
+        )
         self._check_params()
-        self.device = self._params[0].device if self._params else torch.device("cpu")
+        self.device = self._locals[0].device if self._params else torch.device("cpu")
         self._steps = [0] * len(self._params)
         self.sync_gradients = True
         self.released_grad_bytes = 0  # GPU gradient memory handed back during the last backward
@@ -118,14 +128,14 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 f"TwinFlowAdam got parameters on several devices {devices}; it steps the parameters of one "
                 "device: build one optimizer per device (or per rank with DDP/FSDP)"
             )
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(self._locals):
             if p.dtype not in _DTYPES:
                 raise TypeError(f"parameter {i} has dtype {p.dtype}; expected float32, bfloat16 or float16")
             if not p.is_contiguous():
                 raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
 
     def _build_state(self) -> None:
-        segments = split([p.numel() for p in self._params], self.ratio, self.placement)
+        segments = split([p.numel() for p in self._locals], self.ratio, self.placement)
         self._segments_of: list[list[_SegmentState]] = [[] for _ in self._params]
         self._cpu: list[_SegmentState] = []
         self._dev: list[_SegmentState] = []
@@ -135,8 +145,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         offset = 0
         with torch.no_grad():
             for seg in segments:
-                p = self._params[seg.index]
-                flat = p.detach().view(-1)[seg.start : seg.end]
+                p = self._locals[seg.index]
+                flat = p.view(-1)[seg.start : seg.end]
                 if seg.on_cpu:
                     master, exp_avg, exp_avg_sq = (h[offset : offset + seg.numel] for h in host)
                     offset += seg.numel
@@ -157,7 +167,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq) for s in self._cpu
             ]
             self._pipeline = HostPipeline(
-                self._params, self._group_of, host_segments, self.chunk_bytes, self.device, self.num_threads
+                self._locals, self._group_of, host_segments, self.chunk_bytes, self.device, self.num_threads
             )
             weakref.finalize(self, self._pipeline.close)
         self.split_summary = self._summarise()
@@ -290,7 +300,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         pipeline = self._pipeline
         if pipeline.phase != "open":
             self._open_step(self._step_args() if self._attach_options["eager"] else None)
-        grad = p.grad
+        grad = _local(p.grad)
         if not self._attach_options["eager"]:
             self._hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
         release = self._attach_options["release_grads"] and i in self._fully_cpu
@@ -326,7 +336,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         return StepArgs(groups=groups, steps=[s + 1 for s in self._steps])
 
     def _grads_not_streamed(self, with_grad: list[int]) -> list[torch.Tensor]:
-        return [self._params[i].grad for i in with_grad if i not in self._hooked and self._params[i].grad is not None]
+        grads = [self._params[i].grad for i in with_grad if i not in self._hooked]
+        return [_local(g) for g in grads if g is not None]
 
     def _norms(self, with_grad: list[int], norm_type: float) -> list[torch.Tensor]:
         """Per-gradient norms: those taken in backward hooks, and those of the gradients still on the GPU."""
@@ -357,8 +368,21 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if not norms:
             return torch.tensor(0.0, device=self.device)
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), float(norm_type))
+        if self._mesh_group is not None:  # FSDP2: each rank holds a shard of every gradient
+            total = self._all_ranks_norm(total, float(norm_type))
         self._clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         return total
+
+    def _all_ranks_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The norm over every rank's shards, from this rank's norm of its own."""
+        import torch.distributed as dist
+
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._mesh_group)
+            return local
+        powered = local.pow(norm_type)
+        dist.all_reduce(powered, group=self._mesh_group)
+        return powered.pow(1.0 / norm_type)
 
     def _with_grad(self) -> list[int]:
         return [i for i, p in enumerate(self._params) if p.grad is not None or i in self._hooked]
@@ -368,7 +392,12 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if not any(self._params[i].dtype == torch.float16 for i in with_grad):
             return False
         norms = self._norms(with_grad, 2.0)
-        return bool(torch.logical_not(torch.isfinite(torch.stack([n.to(self.device) for n in norms]))).any())
+        found = torch.logical_not(torch.isfinite(torch.stack([n.to(self.device) for n in norms]))).any().float()
+        if self._mesh_group is not None:  # every rank skips together
+            import torch.distributed as dist
+
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._mesh_group)
+        return bool(found)
 
     def _cpu_scale(self) -> float | Callable[[], float]:
         """The clipping coefficient as the CPU worker will read it (blocking until the GPU has it)."""
@@ -412,7 +441,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if pipeline is not None:
             for i in with_grad:
                 if i in pipeline.pieces_of and not pipeline.downloaded(i):
-                    pipeline.download(i, self._params[i].grad)
+                    pipeline.download(i, _local(self._params[i].grad))
         if self._overflow(with_grad):
             log.warning("inf/NaN gradient in an fp16 model: step skipped on both sides")
             self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
@@ -480,7 +509,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             batch: list[tuple[_SegmentState, int, int]] = []
             upcast = 0
             for st in group_states:
-                low = self._params[st.seg.index].grad.dtype != torch.float32
+                low = self._locals[st.seg.index].dtype != torch.float32
                 size = _UPCAST_ELEMENTS if low else st.seg.numel
                 for a in range(0, st.seg.numel, size):
                     b = min(st.seg.numel, a + size)
@@ -499,15 +528,15 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """
         grads, masters, exp_avgs, exp_avg_sqs, steps, low = [], [], [], [], [], []
         for st, a, b in pieces:
-            p = self._params[st.seg.index]
-            g = p.grad.reshape(-1)[st.seg.start + a : st.seg.start + b]
+            p = self._locals[st.seg.index]
+            g = _local(self._params[st.seg.index].grad).reshape(-1)[st.seg.start + a : st.seg.start + b]
             grads.append(g if g.dtype == torch.float32 else g.float())
             masters.append(st.master[a:b])
             exp_avgs.append(st.exp_avg[a:b])
             exp_avg_sqs.append(st.exp_avg_sq[a:b])
             steps.append(st.device_step)
             if p.dtype != torch.float32:
-                low.append((p.detach().view(-1)[st.seg.start + a : st.seg.start + b], masters[-1]))
+                low.append((p.view(-1)[st.seg.start + a : st.seg.start + b], masters[-1]))
         if self._clip_coef is not None:
             torch._foreach_mul_(grads, self._clip_coef)
         if group["bias_correction"]:
@@ -544,7 +573,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._require_state()
         self.synchronize()
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(self._locals):
             if self._steps[i] == 0:
                 continue
             full = {key: torch.empty(p.numel(), dtype=torch.float32) for key in ("exp_avg", "exp_avg_sq", "master")}
@@ -586,7 +615,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         loaded: dict[int, dict[str, torch.Tensor]] = {}
         for pid, entry in state_dict["state"].items():
             i = id_to_index[pid]
-            p = self._params[i]
+            p = self._locals[i]
             for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
                 if entry[key].numel() != p.numel():
                     raise ValueError(
@@ -598,14 +627,14 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 for key, value in saved.items():
                     if key != "params" and key in self.defaults:
                         self.param_groups[gi][key] = value
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self._locals):
                 entry = loaded.get(i)
                 self._steps[i] = int(entry["step"]) if entry is not None else 0
                 if entry is None:
-                    flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.detach().reshape(-1)}
+                    flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
                 else:
                     flat = {k: entry[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
-                    flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.detach().reshape(-1)
+                    flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
                 for st in self._segments_of[i]:
                     s, e = st.seg.start, st.seg.end
                     for key in ("exp_avg", "exp_avg_sq"):
@@ -616,7 +645,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
                     if st.device_step is not None:
                         st.device_step.fill_(self._steps[i])
                 if entry is not None and "master" in entry:  # the model's weights follow the masters
-                    p.detach().copy_(entry["master"].view(p.shape))
+                    p.copy_(entry["master"].view(p.shape))
 
 
 class _WaitFor:
@@ -627,6 +656,11 @@ class _WaitFor:
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         self.pipeline.wait(self.chunk_ids)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's local shard (FSDP2), else the tensor itself."""
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 def _foreach_adam_no_bias_correction(
