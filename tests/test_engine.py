@@ -81,9 +81,73 @@ def test_engine_checkpoint_resume_is_exact(tmp_path) -> None:
     assert engine_losses(fresh, data[8:]) == uninterrupted
 
 
-def test_fp16_is_refused_by_name() -> None:
-    with pytest.raises(twinflow.ConfigError, match="fp16 loss scaling is not built"):
-        twinflow.initialize(model=make_model(), config={"train_batch_size": 4, "fp16": {"enabled": True}})
+def test_fp16_with_sharded_optimizer_state_on_several_processes_is_refused() -> None:
+    config = twinflow.load_config(
+        {"train_batch_size": 4, "fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, world_size=2
+    )
+    with pytest.raises(twinflow.ConfigError, match="fp16 with zero_optimization.stage = 1"):
+        twinflow.initialize(model=make_model(), config=config)
+
+
+FP16 = {
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 100}},
+    "offload_ratio": 0.5,
+}
+
+
+def fp16_step(engine, x, y, blow_up: float = 1.0) -> float:
+    loss = torch.nn.functional.mse_loss(engine(x.half()).float(), y) * blow_up
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_fp16_dynamic_loss_scale_follows_deepspeeds_rules() -> None:
+    config = FP16 | {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 2}}
+    engine, opt, _, sched = twinflow.initialize(model=make_model(), config=config)
+    assert next(engine.module.parameters()).dtype == torch.float16 and engine.loss_scaler.scale == 256
+    data = batches(8, 4, seed=6)
+    scales = []
+    for x, y in data[:3]:
+        fp16_step(engine, x, y)
+        scales.append(engine.loss_scaler.scale)
+    assert scales == [256, 256, 512]  # doubled after 3 clean steps
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    lr = sched.get_last_lr()
+    fp16_step(engine, *data[3], blow_up=1e6)  # overflows in fp16
+    opt.synchronize()
+    assert engine.skipped_steps == 1 and engine.loss_scaler.scale == 512  # hysteresis 2 absorbs the first
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert sched.get_last_lr() == lr  # a skipped step keeps the schedule
+    fp16_step(engine, *data[4], blow_up=1e6)
+    assert engine.skipped_steps == 2 and engine.loss_scaler.scale == 256  # the second halves the scale
+    fp16_step(engine, *data[5])
+    opt.synchronize()
+    assert not all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+def test_fp16_static_loss_scale_is_undone_before_the_update() -> None:
+    """A static scale of 1024: clipping measures the true gradients, and training follows the unscaled run.
+
+    (Adam alone hardly notices a constant gradient factor, so the norms are what show a missing unscale.)
+    """
+    results, norms = [], []
+    for scale in (1.0, 1024.0):
+        engine, opt, *_ = twinflow.initialize(
+            model=make_model(), config=FP16 | {"gradient_clipping": 0.5, "fp16": {"enabled": True, "loss_scale": scale}}
+        )
+        step_norms = []
+        for x, y in batches(6, 4, seed=7):
+            fp16_step(engine, x, y)
+            step_norms.append(float(opt.last_grad_norm))
+        opt.synchronize()
+        norms.append(step_norms)
+        results.append([p.detach().float().clone() for p in engine.module.parameters()])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-2)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
 
 
 def _free_port() -> int:

@@ -3,7 +3,9 @@
 What it does with a config (see :mod:`twinflow.config`):
 
 - precision: ``bf16.enabled`` casts the model to bfloat16 (TwinFlowAdam keeps
-  fp32 masters); otherwise it trains in the model's dtype.
+  fp32 masters); ``fp16.enabled`` to float16 with loss scaling (static or
+  DeepSpeed's dynamic scaler; an overflow skips the step on both sides);
+  otherwise it trains in the model's dtype.
 - optimizer: TwinFlowAdam with the config's Adam/AdamW parameters, the
   offload ratio and ``gradient_clipping`` as its ``max_grad_norm``.
 - scheduler: DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR.
@@ -19,7 +21,7 @@ What it does with a config (see :mod:`twinflow.config`):
   3) and TwinFlowAdam steps each rank's local shards.
 - checkpoints: :mod:`twinflow.checkpoint` (atomic, one shard per rank).
 
-Not built yet (refused with a ConfigError): fp16 loss scaling.
+Refused with a ConfigError: fp16 with stage 1 on several processes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,47 @@ from twinflow.twin_flow_adam import TwinFlowAdam
 log = logging.getLogger(__name__)
 
 
+class LossScaler:
+    """fp16 loss scaling with DeepSpeed's rules.
+
+    ``loss_scale`` > 0: a fixed scale. 0: dynamic, starting at
+    2**initial_scale_power; an overflow skips the step and, once
+    ``hysteresis`` overflows have been absorbed, halves the scale (not below
+    ``min_loss_scale``); ``loss_scale_window`` steps without overflow double it
+    (and restore the hysteresis).
+    """
+
+    def __init__(self, fp16: Any) -> None:
+        self.dynamic = fp16.loss_scale == 0
+        self.scale = float(2**fp16.initial_scale_power) if self.dynamic else float(fp16.loss_scale)
+        self.window, self.hysteresis, self.min_scale = fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale
+        self.cur_hysteresis = self.hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow = self.iteration
+        elif (self.iteration - self.last_overflow) % self.window == 0:
+            self.cur_hysteresis = self.hysteresis
+            self.scale *= 2.0
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = ("scale", "cur_hysteresis", "iteration", "last_overflow")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
 class Engine:
     """Runs forward, backward and step as a DeepSpeed engine does; built by :func:`initialize`."""
 
@@ -45,10 +88,18 @@ class Engine:
         self.config = config
         self.world_size = config.world_size
         self.module = model
-        if config.bf16.enabled:
-            model.to(torch.bfloat16)
         stage = config.zero_optimization.stage
         distributed = self.world_size > 1
+        if config.bf16.enabled:
+            model.to(torch.bfloat16)
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        if self.loss_scaler is not None:
+            if distributed and stage == 1:
+                raise ConfigError(
+                    "fp16 with zero_optimization.stage = 1 on several processes: each rank's optimizer sees only "
+                    "its share, so an overflow would not skip the step everywhere; use bf16, or stage 0, 2 or 3"
+                )
+            model.to(torch.float16)
         if distributed and stage >= 2:
             _fully_shard(model, reshard_after_forward=stage == 3)
             self.network = model
@@ -74,11 +125,10 @@ class Engine:
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.global_steps = 0
         self.micro_steps = 0
+        self.skipped_steps = 0
 
     def _optimizer_kwargs(self) -> dict[str, Any]:
         config = self.config
-        if config.fp16.enabled:
-            raise ConfigError("fp16.enabled: fp16 loss scaling is not built into initialize yet; use bf16")
         opt = config.optimizer
         kwargs: dict[str, Any] = {
             "ratio": config.ratio,
@@ -101,6 +151,8 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / accumulation steps; only the closing micro-step syncs and streams gradients."""
         scaled = loss / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
         if self.is_gradient_accumulation_boundary():
             scaled.backward()
         else:
@@ -124,10 +176,17 @@ class Engine:
             return
         if self._clip_in_engine:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+        skipped_before = getattr(self.local_optimizer, "skipped_steps", 0)
+        if self.loss_scaler is not None:
+            self.local_optimizer.unscale_(1.0 / self.loss_scaler.scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
+        overflow = getattr(self.local_optimizer, "skipped_steps", 0) > skipped_before
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        if self.lr_scheduler is not None and not overflow:  # as DeepSpeed: a skipped step keeps the schedule
             self.lr_scheduler.step()
+        self.skipped_steps += int(overflow)
         self.global_steps += 1
         if self.global_steps % self.config.steps_per_print == 0:
             lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -137,7 +196,9 @@ class Engine:
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically."""
         tag = tag or f"global_step{self.global_steps}"
-        extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {}}
+        extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
+                 "skipped_steps": self.skipped_steps,
+                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}  # fmt: skip
         meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio}
         return save_checkpoint(save_dir, tag, model=self.module, optimizer=self.local_optimizer,
                                scheduler=self.lr_scheduler, extra=extra, meta=meta)  # fmt: skip
@@ -150,6 +211,9 @@ class Engine:
             for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
                 group["lr"] = local["lr"]
         self.global_steps, self.micro_steps = int(extra["global_steps"]), int(extra["micro_steps"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        if self.loss_scaler is not None and extra.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(extra["loss_scaler"])
         return Path(load_dir) / (tag or (Path(load_dir) / "latest").read_text().strip()), extra["client_state"]
 
 

@@ -113,7 +113,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._hook_norms: list[torch.Tensor] = []
-        self._clip_coef: torch.Tensor | None = None
+        self._clip_coef: torch.Tensor | None = None  # the multiplier every gradient of this step gets
+        self._unscale: float | None = None  # loss scaling: 1 / scale, set by unscale_()
+        self._clipped = False
         self._pipeline: HostPipeline | None = None
         self._unwaited: list[int] = []
         self._probe = tune.IterationProbe(self.device) if self.auto_ratio else None
@@ -370,8 +372,25 @@ class TwinFlowAdam(torch.optim.Optimizer):
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), float(norm_type))
         if self._mesh_group is not None:  # FSDP2: each rank holds a shard of every gradient
             total = self._all_ranks_norm(total, float(norm_type))
-        self._clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if self._unscale is not None:  # the norm of the true gradients, not of the loss-scaled ones
+            total = total * self._unscale
+        self._clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0) * (self._unscale or 1.0)
+        self._clipped = True
         return total
+
+    def unscale_(self, inv_scale: float) -> None:
+        """Loss scaling: every gradient of the coming step is multiplied by `inv_scale` (1 / loss scale).
+
+        Call before ``clip_grad_norm_`` (or a ``max_grad_norm`` step): clipping
+        then measures the unscaled gradients. Like the clipping coefficient, it is
+        applied as the gradients are consumed, on both sides.
+        """
+        if self._hooked and self._attach_options.get("eager"):
+            raise RuntimeError("unscale_ after an eager overlapped backward: the CPU share has already stepped")
+        if self._clipped:
+            raise RuntimeError("unscale_ after clip_grad_norm_: unscale first, so that clipping sees true gradients")
+        self._unscale = float(inv_scale)
+        self._clip_coef = torch.tensor(self._unscale, dtype=torch.float32, device=self.device)
 
     def _all_ranks_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The norm over every rank's shards, from this rank's norm of its own."""
@@ -449,7 +468,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 pipeline.discard()
             self._end_step()
             return loss
-        if self.max_grad_norm is not None and self._clip_coef is None:
+        if self.max_grad_norm is not None and not self._clipped:
             self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         args = self._step_args()
         if pipeline is not None:
@@ -476,6 +495,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._clip_coef = None
+        self._unscale = None
+        self._clipped = False
         self._hook_norms, self._hooked = [], set()
 
     def _choose_ratio(self) -> None:
