@@ -32,3 +32,17 @@ def test_tune_cli_prints_a_recommendation_and_the_table(tmp_path: Path) -> None:
     assert "recommendation: ratio=" in out and "<- auto" in out
     rows = json.loads(table.read_text())["rows"]
     assert [r["ratio"] for r in rows[1:]] == [0.0, 1.0] and all(r["step_s"] > 0 for r in rows)
+
+
+def test_train_opt_learns_from_a_local_text_file(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text((ROOT / "README.md").read_text())
+    summary_path = tmp_path / "summary.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", "opt-tiny", "--steps", "15",
+         "--seq-len", "64", "--data", str(text), "--summary", str(summary_path)],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    summary = json.loads(summary_path.read_text())
+    assert summary["last_loss"] < summary["first_loss"] - 0.1
+    assert summary["ratio"] == 0.4 and summary["parameters"] > 0 and summary["tokens_per_second_per_rank"] > 0
