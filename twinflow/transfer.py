@@ -43,9 +43,6 @@ class Streams:
     def h2d(self):
         return torch.cuda.stream(self.h2d_stream) if self.cuda else contextlib.nullcontext()
 
-    def current(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self.cuda else None
-
     def after_compute(self) -> None:
         """Downloads queued from now on start only after everything queued so far on the current stream."""
         if self.cuda:
