@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def main() -> None:
     tokens_per_step = micro * accumulation * args.seq_len
     # 6 N per token for forward and backward, plus 2 N for the recomputed forward (activation checkpointing)
     flops_per_step = 8 * params * tokens_per_step
-    losses, start = [], time.perf_counter()
+    losses, times, start = [], [], time.perf_counter()
     bar = tqdm(range(args.steps), desc=args.model, unit="step", disable=rank != 0)
     for _ in bar:
         step_start = time.perf_counter()
@@ -119,6 +120,7 @@ def main() -> None:
             engine.step()
         losses.append(loss.item())
         elapsed = time.perf_counter() - step_start
+        times.append(elapsed)
         if hasattr(bar, "set_postfix"):
             gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -139,6 +141,8 @@ def main() -> None:
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "seconds_per_step": seconds,
+        "median_seconds_per_step_after_first": statistics.median(times[1:]) if len(times) > 1 else seconds,
+        "losses": losses,
         "tokens_per_second_per_rank": tokens_per_step / seconds,
         "tflops_per_rank": flops_per_step / seconds / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

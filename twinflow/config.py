@@ -157,6 +157,9 @@ class Config(_Section):
     zero_optimization: ZeroOptimization = ZeroOptimization()
     steps_per_print: Annotated[Count, Field(gt=0)] = 10
     offload_ratio: Fraction | None = None  # twinflow's shorthand for zero_optimization.offload_optimizer.ratio
+    # Which end of the parameter order the CPU steps: "last" overlaps best when attached (the last layers'
+    # gradients arrive first in backward); "first" is TwinFlowAdam's default.
+    offload_placement: Literal["first", "last"] = "first"
     world_size: Annotated[Count, Field(gt=0)] = 1
 
     @model_validator(mode="after")

@@ -132,6 +132,7 @@ class Engine:
         opt = config.optimizer
         kwargs: dict[str, Any] = {
             "ratio": config.ratio,
+            "placement": config.offload_placement,
             "max_grad_norm": config.gradient_clipping or None,
         }
         if opt is not None:

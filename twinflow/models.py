@@ -41,9 +41,14 @@ def build_opt(name: str, device: str | torch.device, dtype: torch.dtype, checkpo
     """A randomly initialised OPTForCausalLM, materialised directly on `device`, in training mode."""
     from transformers import OPTForCausalLM
 
-    with torch.device(device):
-        model = OPTForCausalLM(opt_config(name))
-    model.to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in the training dtype: no fp32 copy of a large model on the way
+    try:
+        with torch.device(device):
+            model = OPTForCausalLM(opt_config(name))
+    finally:
+        torch.set_default_dtype(previous)
+    model.to(dtype)  # buffers and anything made outside the default dtype
     if checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:

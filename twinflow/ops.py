@@ -151,8 +151,35 @@ def resolve_simd(simd: str | None = None) -> int:
 
 
 def default_num_threads() -> int:
-    """Threads the kernel uses unless told otherwise: torch's intra-op thread count."""
-    return torch.get_num_threads()
+    """Threads the kernel uses unless told otherwise: TWINFLOW_NUM_THREADS, else torch's intra-op thread count.
+
+    torchrun sets OMP_NUM_THREADS=1 for every process when it starts several, which would leave the
+    kernel one thread: that case is warned about once, naming the fix.
+    """
+    value = os.environ.get("TWINFLOW_NUM_THREADS")
+    if value:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"TWINFLOW_NUM_THREADS={value!r}: expected a positive integer, e.g. 16")
+        return threads
+    threads = torch.get_num_threads()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads == 1 and local > 1 and cores >= 2 * local:
+        _warn_one_thread(cores, local)
+    return threads
+
+
+@functools.cache
+def _warn_one_thread(cores: int, local: int) -> None:
+    log.warning(
+        "the CPU Adam kernel gets 1 thread (torchrun sets OMP_NUM_THREADS=1 for %d processes on %d cores); "
+        "set OMP_NUM_THREADS=%d (or TWINFLOW_NUM_THREADS, or TwinFlowAdam(num_threads=...)) for a faster step",
+        local, cores, cores // local,
+    )  # fmt: skip
 
 
 def adam_step_(

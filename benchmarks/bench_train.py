@@ -1,0 +1,434 @@
+"""Training steps of one workload under several systems, side by side in one run.
+
+    python benchmarks/bench_train.py --model opt-2.7b --systems amp bf16 twinflow:0.4 ds-z3:0.4 ds-z3:1 ...
+    python benchmarks/bench_train.py --model opt-30b --gpus 4 --systems twinflow:0.4 ds-z3:0.4 ds-z3:1
+
+Systems (a ratio after the colon is the share of parameters whose optimizer
+step runs on the CPU):
+  amp           fp32 parameters, bf16 autocast, torch fused AdamW; no offload
+  bf16          bf16 parameters, torch fused AdamW, no fp32 master; no offload
+  twinflow:R    twinflow.initialize, bf16 with fp32 masters, ratio R (one GPU:
+                TwinFlowAdam attached to the model; several: FSDP2, stage 3)
+  ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
+                Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
+  ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
+  torchao       torchao's CPUOffloadOptimizer over bf16 parameters (one GPU)
+
+Every system trains the same model shape (random init, activation
+checkpointing) on the same random tokens, with AdamW (lr 1e-5, weight decay
+0.01, no clipping), in a process of its own (under torchrun with --gpus
+processes), one system after the other. A system that fails (out of memory,
+missing package, timeout) is recorded with the tail of its output and the
+run goes on. The JSON is rewritten after every system, so a run cut short
+keeps what it measured. Step time is the median over the timed steps of the
+time between consecutive step ends (so work a system overlaps into the next
+step is counted once); peak GPU memory is torch's max_memory_allocated over
+the whole run (model, optimizer and activations), the largest over ranks;
+host memory is the peak resident set summed over ranks.
+
+Writes JSON (--out, else $OUT/bench_train_<model>.json, else
+benchmarks/results/), a PNG of step time and peak GPU memory against ratio
+per system, and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import machine_info, write_json  # noqa: E402
+
+SYSTEMS = ("amp", "bf16", "twinflow", "ds-z3", "ds-z2", "torchao")
+SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
+LR, WEIGHT_DECAY = 1e-5, 0.01
+# The DeepSpeed settings the anchors were measured with (../ANCHORS of the project's notes, BENCHMARKS.md).
+DS_ZERO = {"sub_group_size": 100_000_000, "reduce_bucket_size": 200_000_000, "overlap_comm": True}
+
+
+def parse_system(text: str) -> tuple[str, float | None]:
+    """'twinflow:0.4' -> ('twinflow', 0.4); checks the name and the ratio, naming what is expected."""
+    name, _, ratio = text.partition(":")
+    if name not in SYSTEMS:
+        raise SystemExit(f"system {text!r}: unknown name {name!r}; expected one of {', '.join(SYSTEMS)}")
+    needs_ratio = name in ("twinflow", "ds-z3")
+    if needs_ratio != bool(ratio):
+        form = f"{name}:R with R in [0, 1]" if needs_ratio else name
+        raise SystemExit(f"system {text!r}: expected {form}")
+    if not ratio:
+        return name, 1.0 if name == "ds-z2" else None
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise SystemExit(f"system {text!r}: ratio {ratio!r} is not a number in [0, 1]")
+    return name, value
+
+
+# ----------------------------------------------------------------------------- worker (one system)
+
+
+def deepspeed_config(name: str, ratio: float, micro: int) -> dict:
+    zero: dict = {"stage": 2 if name == "ds-z2" else 3, **DS_ZERO}
+    if ratio > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if ratio < 1:
+            zero["offload_optimizer"]["ratio"] = ratio
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def twinflow_config(ratio: float, micro: int, world: int, placement: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {"stage": 3 if world > 1 else 0},
+        "offload_ratio": ratio,
+        "offload_placement": placement,
+        "steps_per_print": 10**9,
+    }
+
+
+def build(name: str, ratio: float | None, args, device: str, world: int):
+    """(model, one_step(tokens) -> loss, finish()) for a system."""
+    from twinflow.models import build_opt
+
+    dtype = torch.float32 if name == "amp" else torch.bfloat16
+    model = build_opt(args.model, device, dtype)
+    finish = lambda: None  # noqa: E731
+
+    if name in ("amp", "bf16"):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device != "cpu")
+        autocast = name == "amp"
+
+        def one_step(tokens):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+    elif name == "torchao":
+        from torchao.optim import CPUOffloadOptimizer
+
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+        def one_step(tokens):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+    elif name == "twinflow":
+        import twinflow
+
+        config = twinflow_config(ratio, args.micro_batch, world, args.placement)
+        engine, opt, _, _ = twinflow.initialize(model=model, config=config)
+
+        def one_step(tokens):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        finish = engine.local_optimizer.synchronize
+
+    else:  # DeepSpeed
+        import deepspeed
+
+        config = deepspeed_config(name, ratio, args.micro_batch)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def one_step(tokens):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    return model, one_step, finish
+
+
+def worker(args) -> None:
+    name, ratio = parse_system(args.worker)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not name.startswith("ds-"):  # DeepSpeed starts its own process group
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    torch.manual_seed(0)
+
+    built = time.perf_counter()
+    model, one_step, finish = build(name, ratio, args, device, world)
+    init_seconds = time.perf_counter() - built
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1 + rank)
+    batches = [
+        torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=gen)
+        for _ in range(args.warmup + args.steps)
+    ]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    losses, ends = [], []
+    sync()
+    start = time.perf_counter()
+    for i, tokens in enumerate(batches):
+        loss = one_step(tokens.to(device, non_blocking=True))
+        losses.append(float(loss.detach().float().item()))
+        sync()
+        ends.append(time.perf_counter())
+        if rank == 0 and args.verbose:
+            print(f"[{args.worker}] step {i}: loss {losses[-1]:.4f}, {ends[-1] - (ends[-2] if i else start):.3f} s",
+                  flush=True)  # fmt: skip
+    finish()
+    sync()
+    done = time.perf_counter()
+    steps = [b - a for a, b in zip(ends[args.warmup - 1 :], ends[args.warmup :])] if args.warmup else []
+    if not args.warmup:
+        steps = [ends[0] - start] + [b - a for a, b in zip(ends, ends[1:])]
+    timed_from = ends[args.warmup - 1] if args.warmup else start
+    result = {
+        "system": args.worker,
+        "name": name,
+        "ratio": ratio,
+        "rank": rank,
+        "world_size": world,
+        "init_seconds": init_seconds,
+        "step_seconds": steps,
+        "median_step_seconds": statistics.median(steps),
+        # the timed steps' wall time including the wait for work still in flight at the end
+        "mean_step_seconds_with_drain": (done - timed_from) / args.steps,
+        "losses": losses,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        "peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+    Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver (all systems)
+
+
+def merge(parts: list[dict]) -> dict:
+    """One row from the ranks' results: rank 0's times, the largest GPU peak, the summed host peak."""
+    first = min(parts, key=lambda r: r["rank"])
+    row = {k: first[k] for k in ("system", "name", "ratio", "world_size", "init_seconds", "step_seconds",
+                                 "median_step_seconds", "mean_step_seconds_with_drain", "losses")}  # fmt: skip
+    gpu = [r["peak_gpu_gib"] for r in parts if r["peak_gpu_gib"] is not None]
+    row["peak_gpu_gib"] = max(gpu) if gpu else None
+    reserved = [r["peak_gpu_reserved_gib"] for r in parts if r["peak_gpu_reserved_gib"] is not None]
+    row["peak_gpu_reserved_gib"] = max(reserved) if reserved else None
+    row["peak_host_rss_gib"] = sum(r["peak_host_rss_gib"] for r in parts)
+    row["status"] = "ok"
+    return row
+
+
+def run_system(system: str, args, env: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        worker_args = [str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
+                       "--model", args.model, "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--placement", args.placement]  # fmt: skip
+        if args.verbose:
+            worker_args.append("--verbose")
+        if args.gpus > 1 or system.startswith("ds-"):
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={args.gpus}"]  # fmt: skip
+        else:
+            launcher = [sys.executable]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(launcher + worker_args, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)  # fmt: skip
+            output, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            output += (
+                (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            )
+            code = "timeout"
+        wall = time.perf_counter() - started
+        parts = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("result.json.rank*"))]
+        if code == 0 and len(parts) == args.gpus:
+            row = merge(parts)
+        else:
+            status = (
+                "timeout" if code == "timeout" else "out of memory" if "out of memory" in output.lower() else "failed"
+            )
+            if code != "timeout" and code in (-9, 137) or "Killed" in output[-2000:]:
+                status = "killed (host memory?)"
+            row = {"system": system, "status": status, "returncode": code}
+        row["wall_seconds"] = wall
+        row["output_tail"] = output[-3000:]
+        return row
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} GiB"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| system | ratio | step (median) | peak GPU memory | host RSS | first -> last loss | status |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        if r["status"] == "ok":
+            ratio = "-" if r["ratio"] is None else r["ratio"]
+            loss = f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+            lines.append(f"| {r['system']} | {ratio} | {r['median_step_seconds']:.3f} s | {_gib(r['peak_gpu_gib'])} | "
+                         f"{_gib(r['peak_host_rss_gib'])} | {loss} | ok |")  # fmt: skip
+        else:
+            lines.append(f"| {r['system']} | - | - | - | - | - | {r['status']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    families = {}
+    for r in ok:
+        families.setdefault(r["name"], []).append(r)
+    for i, (name, members) in enumerate(sorted(families.items())):
+        members.sort(key=lambda r: r["ratio"] if r["ratio"] is not None else -1)
+        color = f"C{i}"
+        if len(members) > 1 or members[0]["ratio"] is not None and name in ("twinflow", "ds-z3", "ds-z2"):
+            xs = [r["ratio"] for r in members]
+            ax_t.plot(xs, [r["median_step_seconds"] for r in members], "o-", color=color, label=name)
+            ax_m.plot(xs, [r["peak_gpu_gib"] for r in members], "o-", color=color, label=name)
+        else:  # no offload ratio: a horizontal reference line
+            r = members[0]
+            ax_t.axhline(r["median_step_seconds"], color=color, ls="--", label=name)
+            ax_m.axhline(r["peak_gpu_gib"], color=color, ls="--", label=name)
+    ax_t.set(xlabel="share of parameters stepped on the CPU (ratio)", ylabel="step time (s, median)", title=title)
+    ax_m.set(xlabel="share of parameters stepped on the CPU (ratio)", ylabel="peak GPU memory (GiB)")
+    ax_t.set_ylim(bottom=0)
+    ax_m.set_ylim(bottom=0)
+    for ax in (ax_t, ax_m):
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="opt-2.7b")
+    parser.add_argument("--systems", nargs="+", default=["amp", "twinflow:0.4", "ds-z3:0.4"])
+    parser.add_argument("--gpus", type=int, default=1, help="processes (GPUs) per system, through torchrun")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps-for", nargs="*", default=[], metavar="SYSTEM=N",
+                        help="timed steps for one system (e.g. a slow baseline): ds-z3:1=3")  # fmt: skip
+    parser.add_argument("--placement", default="last", choices=("first", "last"), help="twinflow's CPU share")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for every system (default: cores / processes)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per system before it is stopped")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--verbose", action="store_true", help="print every step of every system")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    systems = [parse_system(s) for s in args.systems]  # refuse bad names before anything runs
+    steps_for = {}
+    for item in args.steps_for:
+        system, _, count = item.partition("=")
+        if system not in args.systems or not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"--steps-for {item!r}: expected SYSTEM=N with SYSTEM one of --systems and N >= 1")
+        steps_for[system] = int(count)
+    if args.gpus > 1:
+        single = [s for s, (name, _) in zip(args.systems, systems) if name in SINGLE_GPU_ONLY]
+        if single:
+            raise SystemExit(f"--gpus {args.gpus}: {single} run on one GPU only here; drop them or use --gpus 1")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"--steps {args.steps} --warmup {args.warmup}: need at least 1 timed step, warmup >= 0")
+    cores = len(os.sched_getaffinity(0))
+    threads = args.threads or max(1, cores // args.gpus)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
+    name = f"bench_train_{args.model}" + (f"_x{args.gpus}" if args.gpus > 1 else "")
+    out = Path(args.out) if args.out else None
+    result = {
+        "benchmark": "bench_train",
+        "command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]),
+        "machine": machine_info() | {"gpus": args.gpus, "omp_num_threads": threads},
+        "workload": {
+            "model": args.model,
+            "micro_batch_per_gpu": args.micro_batch,
+            "seq_len": args.seq_len,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}",
+            "activation_checkpointing": "non-reentrant",
+            "deepspeed_zero": DS_ZERO,
+            "twinflow_placement": args.placement,
+        },  # fmt: skip
+        "steps_for": steps_for,
+        "rows": [],
+    }
+    for system in args.systems:
+        print(f"== {system}", flush=True)
+        row = run_system(system, argparse.Namespace(**{**vars(args), "steps": steps_for.get(system, args.steps)}), env)
+        result["rows"].append(row)
+        summary = {k: row.get(k) for k in ("status", "median_step_seconds", "peak_gpu_gib", "peak_host_rss_gib",
+                                           "wall_seconds")}  # fmt: skip
+        print(json.dumps(summary), flush=True)
+        if row["status"] != "ok":
+            print(row["output_tail"][-1500:], flush=True)
+        path = write_json(result, f"{name}.json", args.out)
+    table = markdown(result["rows"])
+    result["markdown"] = table
+    path = write_json(result, f"{name}.json", args.out)
+    print(table)
+    try:
+        plot(result["rows"], path.with_suffix(".png"), f"{args.model}, {args.gpus} GPU(s)")
+    except Exception as exc:  # a missing matplotlib must not lose the measurements
+        print(f"no plot: {exc}")
+    print(f"wrote {path}" + (f" ({out})" if out else ""))
+
+
+if __name__ == "__main__":
+    main()
