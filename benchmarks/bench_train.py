@@ -264,6 +264,10 @@ def run_system(system: str, args, env: dict) -> dict:
                        "--placement", args.placement]  # fmt: skip
         if args.verbose:
             worker_args.append("--verbose")
+        if system.startswith("ds-") and "TORCH_CUDA_ARCH_LIST" not in env and torch.cuda.is_available():
+            # DeepSpeed's op builder cannot parse an architecture such as '9.0a' from torch's list
+            major, minor = torch.cuda.get_device_capability()
+            env = dict(env, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}")
         if args.gpus > 1 or system.startswith("ds-"):
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={args.gpus}"]  # fmt: skip
