@@ -264,8 +264,8 @@ def run_system(system: str, args, env: dict) -> dict:
                        "--placement", args.placement]  # fmt: skip
         if args.verbose:
             worker_args.append("--verbose")
-        if system.startswith("ds-") and "TORCH_CUDA_ARCH_LIST" not in env and torch.cuda.is_available():
-            # DeepSpeed's op builder cannot parse an architecture such as '9.0a' from torch's list
+        if system.startswith("ds-") and torch.cuda.is_available():
+            # DeepSpeed's op builder cannot parse an architecture such as '9.0a' (set on some images)
             major, minor = torch.cuda.get_device_capability()
             env = dict(env, TORCH_CUDA_ARCH_LIST=f"{major}.{minor}")
         if args.gpus > 1 or system.startswith("ds-"):
@@ -292,7 +292,7 @@ def run_system(system: str, args, env: dict) -> dict:
             status = (
                 "timeout" if code == "timeout" else "out of memory" if "out of memory" in output.lower() else "failed"
             )
-            if code != "timeout" and code in (-9, 137) or "Killed" in output[-2000:]:
+            if code in (-9, 137) or "SIGKILL" in output[-3000:] or "Killed" in output[-3000:]:
                 status = "killed (host memory?)"
             row = {"system": system, "status": status, "returncode": code}
         row["wall_seconds"] = wall
@@ -362,7 +362,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps-for", nargs="*", default=[], metavar="SYSTEM=N",
-                        help="timed steps for one system (e.g. a slow baseline): ds-z3:1=3")  # fmt: skip
+                        help="timed steps (and warm-up steps) for one system, e.g. a slow baseline: ds-z3:1=3,1")  # fmt: skip
     parser.add_argument("--placement", default="last", choices=("first", "last"), help="twinflow's CPU share")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS for every system (default: cores / processes)")  # fmt: skip
@@ -379,10 +379,14 @@ def main() -> None:
     systems = [parse_system(s) for s in args.systems]  # refuse bad names before anything runs
     steps_for = {}
     for item in args.steps_for:
-        system, _, count = item.partition("=")
-        if system not in args.systems or not count.isdigit() or int(count) < 1:
-            raise SystemExit(f"--steps-for {item!r}: expected SYSTEM=N with SYSTEM one of --systems and N >= 1")
-        steps_for[system] = int(count)
+        system, _, counts = item.partition("=")
+        count, _, warm = counts.partition(",")
+        if system not in args.systems or not count.isdigit() or int(count) < 1 or warm and not warm.isdigit():
+            raise SystemExit(
+                f"--steps-for {item!r}: expected SYSTEM=N or SYSTEM=N,W with SYSTEM one of --systems, N >= 1 timed "
+                "steps and W >= 0 warm-up steps"
+            )
+        steps_for[system] = (int(count), int(warm) if warm else args.warmup)
     if args.gpus > 1:
         single = [s for s, (name, _) in zip(args.systems, systems) if name in SINGLE_GPU_ONLY]
         if single:
@@ -415,7 +419,9 @@ def main() -> None:
     }
     for system in args.systems:
         print(f"== {system}", flush=True)
-        row = run_system(system, argparse.Namespace(**{**vars(args), "steps": steps_for.get(system, args.steps)}), env)
+        steps, warmup = steps_for.get(system, (args.steps, args.warmup))
+        row = run_system(system, argparse.Namespace(**{**vars(args), "steps": steps, "warmup": warmup}), env)
+        row["timed_steps"], row["warmup_steps"] = steps, warmup
         result["rows"].append(row)
         summary = {k: row.get(k) for k in ("status", "median_step_seconds", "peak_gpu_gib", "peak_host_rss_gib",
                                            "wall_seconds")}  # fmt: skip
