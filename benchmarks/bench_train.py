@@ -362,7 +362,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps-for", nargs="*", default=[], metavar="SYSTEM=N",
-                        help="timed steps (and warm-up steps) for one system, e.g. a slow baseline: ds-z3:1=3,1")  # fmt: skip
+                        help="timed (and warm-up) steps of one system, e.g. ds-z3:1=3,1")  # fmt: skip
     parser.add_argument("--placement", default="last", choices=("first", "last"), help="twinflow's CPU share")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS for every system (default: cores / processes)")  # fmt: skip
