@@ -296,7 +296,9 @@ def run_system(system: str, args, env: dict) -> dict:
                 status = "killed (host memory?)"
             row = {"system": system, "status": status, "returncode": code}
         row["wall_seconds"] = wall
-        row["output_tail"] = output[-3000:]
+        noise = ("warn", "return func(*args, **kwargs)", "Failed to load")
+        kept = [line for line in output.splitlines() if not any(n in line for n in noise)]
+        row["output_tail"] = "\n".join(kept)[-4000:]
         return row
 
 
