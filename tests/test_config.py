@@ -147,3 +147,31 @@ def test_the_example_config_loads() -> None:
     config = load_config(path, world_size=2)
     assert config.ratio == 0.4 and config.bf16.enabled and config.train_batch_size == 8
     assert config.scheduler.type == "WarmupDecayLR" and config.optimizer.adamw_mode
+
+
+@pytest.mark.parametrize("name, world, ratio, placement, batch", [
+    ("opt-13b.json", 1, 0.5, "last", 4),
+    ("opt-30b.json", 4, 0.4, "first", 16),
+])  # fmt: skip
+def test_the_opt_example_configs_load(name: str, world: int, ratio: float, placement: str, batch: int) -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "configs" / name
+    config = load_config(path, world_size=world)
+    assert (config.ratio, config.offload_placement, config.train_batch_size) == (ratio, placement, batch)
+    assert config.bf16.enabled and config.gradient_clipping == 1.0
+
+
+def test_offload_placement_reaches_the_optimizer_and_bad_values_are_named() -> None:
+    import torch
+
+    import twinflow
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    base = {"train_micro_batch_size_per_gpu": 1, "offload_ratio": 0.5}
+    engine, optimizer, _, _ = twinflow.initialize(model=model, config=base | {"offload_placement": "last"})
+    assert optimizer.placement == "last"
+    engine.local_optimizer.detach()
+    assert load_config(base).offload_placement == "first"
+    with pytest.raises(ConfigError, match=r"offload_placement = 'middle'.*'first' or 'last'"):
+        load_config(base | {"offload_placement": "middle"})

@@ -1,9 +1,13 @@
 """README's main job runs and learns."""
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,3 +50,19 @@ def test_train_opt_learns_from_a_local_text_file(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["last_loss"] < summary["first_loss"] - 0.1
     assert summary["ratio"] == 0.4 and summary["parameters"] > 0 and summary["tokens_per_second_per_rank"] > 0
+
+
+@pytest.mark.parametrize("script, nproc", [("run_opt13b.sh", 1), ("run_opt30b.sh", 2)])
+def test_the_opt_run_scripts_train_a_small_shape(tmp_path: Path, script: str, nproc: int) -> None:
+    """The scripts' wiring (config, torchrun, threads), on opt-tiny so that a CPU machine can run them."""
+    summary_path = tmp_path / "summary.json"
+    env = dict(os.environ, STEPS="3", SEQ_LEN="32", NPROC=str(nproc))
+    env.pop("OMP_NUM_THREADS", None)
+    subprocess.run(
+        ["bash", str(ROOT / "examples" / script), "--model", "opt-tiny", "--summary", str(summary_path)],
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=env, timeout=600,
+    )  # fmt: skip
+    summary = json.loads(summary_path.read_text())
+    assert summary["world_size"] == nproc and summary["steps"] == 3 and len(summary["losses"]) == 3
+    assert summary["ratio"] == (0.5 if script == "run_opt13b.sh" else 0.4)
+    assert all(math.isfinite(x) for x in summary["losses"])

@@ -391,3 +391,23 @@ def test_out_copy_may_overwrite_the_gradient_in_place(simd: str, dtype: torch.dt
     for out, ip, p, q in zip(outs, in_place, a["params"], b["params"]):
         assert torch.equal(p, q)
         assert torch.equal(out, ip) and torch.equal(ip, p.to(dtype))
+
+
+def test_default_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    import logging
+
+    monkeypatch.setenv("TWINFLOW_NUM_THREADS", "3")
+    assert ops.default_num_threads() == 3
+    for bad in ("0", "many"):
+        monkeypatch.setenv("TWINFLOW_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match=rf"TWINFLOW_NUM_THREADS='{bad}': expected a positive integer"):
+            ops.default_num_threads()
+    monkeypatch.delenv("TWINFLOW_NUM_THREADS")
+    # torchrun's OMP_NUM_THREADS=1 with several processes: the kernel keeps torch's count but says how to fix it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(ops.os, "sched_getaffinity", lambda _: set(range(64)))
+    ops._warn_one_thread.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="twinflow.ops"):
+        assert ops.default_num_threads() == 1
+    assert "set OMP_NUM_THREADS=32" in caplog.text

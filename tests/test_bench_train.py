@@ -1,0 +1,82 @@
+"""The side-by-side training benchmark: its driver, its worker and what it records (on opt-tiny, CPU)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.bench_train import markdown, parse_system
+from twinflow.models import build_opt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("amp", ("amp", None)), ("twinflow:0.4", ("twinflow", 0.4)), ("ds-z3:1", ("ds-z3", 1.0)),
+    ("ds-z3:0", ("ds-z3", 0.0)), ("ds-z2", ("ds-z2", 1.0)),
+])  # fmt: skip
+def test_system_names_parse(text: str, expected: tuple) -> None:
+    assert parse_system(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("adam", "unknown name 'adam'"), ("twinflow", r"expected twinflow:R with R in \[0, 1\]"),
+    ("amp:0.5", "expected amp"), ("ds-z3:1.5", "ratio '1.5' is not a number in"), ("ds-z3:x", "ratio 'x'"),
+])  # fmt: skip
+def test_bad_system_names_are_refused_with_the_expected_form(text: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        parse_system(text)
+
+
+def test_models_are_built_in_the_training_dtype() -> None:
+    before = torch.get_default_dtype()
+    model = build_opt("opt-tiny", "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == before
+    weight = model.model.decoder.layers[0].fc1.weight.float()
+    assert 0.01 < weight.std().item() < 0.04  # the model's own init (std 0.02), not zeros or garbage
+
+
+def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    # torchao's optimizer needs CUDA (or torchao is missing): that system fails, the run goes on
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--model", "opt-tiny", "--seq-len", "32",
+           "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
+           "--systems", "amp", "torchao", "twinflow:0.4", "--steps-for", "twinflow:0.4=3,1",
+           "--out", str(out)]  # fmt: skip
+    printed = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=600).stdout
+    result = json.loads(out.read_text())
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == ["amp", "torchao", "twinflow:0.4"]
+    assert rows["torchao"]["status"] != "ok" and rows["torchao"]["output_tail"]
+    for name, steps in (("amp", 2), ("twinflow:0.4", 3)):
+        row = rows[name]
+        assert row["status"] == "ok" and len(row["step_seconds"]) == steps and len(row["losses"]) == steps + 1
+        assert all(math.isfinite(x) and x > 0 for x in row["step_seconds"] + row["losses"])
+        assert row["median_step_seconds"] > 0 and row["peak_host_rss_gib"] > 0
+    # the same model, seed and tokens: the first losses agree across systems (AMP in fp32 against bf16)
+    assert abs(rows["amp"]["losses"][0] - rows["twinflow:0.4"]["losses"][0]) < 0.05
+    assert rows["twinflow:0.4"]["ratio"] == 0.4 and result["markdown"] in printed
+    assert "| torchao | - |" in result["markdown"]
+
+
+def test_bad_steps_for_is_refused_before_anything_runs() -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--systems", "amp",
+           "--steps-for", "bf16=3"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "--steps-for 'bf16=3': expected SYSTEM=N" in proc.stderr
+
+
+def test_markdown_rows_for_cpu_results_and_failures() -> None:
+    rows = [
+        {"system": "amp", "ratio": None, "status": "ok", "median_step_seconds": 0.5, "peak_gpu_gib": None,
+         "peak_host_rss_gib": 1.25, "losses": [2.0, 1.5]},
+        {"system": "ds-z3:1", "status": "killed (host memory?)"},
+    ]  # fmt: skip
+    table = markdown(rows)
+    assert "| amp | - | 0.500 s | - | 1.2 GiB | 2.000 -> 1.500 | ok |" in table
+    assert "| ds-z3:1 | - | - | - | - | - | killed (host memory?) |" in table
