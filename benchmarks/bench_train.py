@@ -53,7 +53,7 @@ from benchmarks.common import machine_info, write_json  # noqa: E402
 SYSTEMS = ("amp", "bf16", "twinflow", "ds-z3", "ds-z2", "torchao")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
-# The DeepSpeed settings the anchors were measured with (../ANCHORS of the project's notes, BENCHMARKS.md).
+# The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
 DS_ZERO = {"sub_group_size": 100_000_000, "reduce_bucket_size": 200_000_000, "overlap_comm": True}
 
 
