@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -255,6 +256,43 @@ def merge(parts: list[dict]) -> dict:
     return row
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stops a launcher and everything it started.
+
+    torchrun puts its workers in sessions of their own, so neither killing it nor its process group
+    reaches them, and left running they would hold GPU and host memory through the next system. It
+    gets SIGTERM first (it then stops its workers itself), then whatever is left gets SIGKILL.
+    """
+    tree = descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *tree, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_system(system: str, args, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
@@ -274,15 +312,15 @@ def run_system(system: str, args, env: dict) -> dict:
         else:
             launcher = [sys.executable]
         started = time.perf_counter()
+        # stderr joins stdout so that the tail reads in time order
+        proc = subprocess.Popen(launcher + worker_args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
         try:
-            proc = subprocess.run(launcher + worker_args, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)  # fmt: skip
-            output, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-            output += (
-                (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-            )
+            output, _ = proc.communicate(timeout=args.timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            stop_tree(proc)
+            output, _ = proc.communicate()
             code = "timeout"
         wall = time.perf_counter() - started
         parts = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("result.json.rank*"))]
@@ -292,7 +330,7 @@ def run_system(system: str, args, env: dict) -> dict:
             status = (
                 "timeout" if code == "timeout" else "out of memory" if "out of memory" in output.lower() else "failed"
             )
-            if code in (-9, 137) or "SIGKILL" in output[-3000:] or "Killed" in output[-3000:]:
+            if status == "failed" and (code in (-9, 137) or "SIGKILL" in output[-3000:] or "Killed" in output[-3000:]):
                 status = "killed (host memory?)"
             row = {"system": system, "status": status, "returncode": code}
         row["wall_seconds"] = wall

@@ -42,14 +42,14 @@ DEFAULT_CONFIG = {
 
 
 def text_batches(path: Path, batch: int, seq: int, seed: int):
-    """Random windows of seq + 1 byte ids from a local text file, for ever."""
+    """Random windows of seq byte ids from a local text file, for ever (the model shifts the labels itself)."""
     ids = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
-    if ids.numel() < seq + 2:
-        raise SystemExit(f"--data {path}: {ids.numel()} bytes, need more than --seq-len + 1 = {seq + 1}")
+    if ids.numel() < seq:
+        raise SystemExit(f"--data {path}: {ids.numel()} bytes, need at least --seq-len = {seq}")
     gen = torch.Generator().manual_seed(seed)
     while True:
-        starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=gen)
-        yield torch.stack([ids[s : s + seq + 1] for s in starts.tolist()])
+        starts = torch.randint(0, ids.numel() - seq + 1, (batch,), generator=gen)
+        yield torch.stack([ids[s : s + seq] for s in starts.tolist()])
 
 
 def synthetic_batches(vocab: int, batch: int, seq: int, seed: int):
@@ -58,7 +58,7 @@ def synthetic_batches(vocab: int, batch: int, seq: int, seed: int):
     while True:
         start = torch.randint(0, vocab, (batch, 1), generator=gen)
         stride = torch.randint(1, 8, (batch, 1), generator=gen)
-        yield (start + stride * torch.arange(seq + 1)) % vocab
+        yield (start + stride * torch.arange(seq)) % vocab
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,17 @@ def test_markdown_rows_for_cpu_results_and_failures() -> None:
     table = markdown(rows)
     assert "| amp | - | 0.500 s | - | 1.2 GiB | 2.000 -> 1.500 | ok |" in table
     assert "| ds-z3:1 | - | - | - | - | - | killed (host memory?) |" in table
+
+
+def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    # two processes under torchrun, far more steps than 12 seconds allow: the workers are mid-run at the timeout
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--model", "opt-tiny", "--seq-len", "32",
+           "--gpus", "2", "--systems", "twinflow:0.4", "--steps", "100000", "--timeout", "12",
+           "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=300)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "timeout" and row["wall_seconds"] < 60
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", "bench_train.py --worker"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"workers still running: {left.stdout}"

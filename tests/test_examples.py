@@ -66,3 +66,17 @@ def test_the_opt_run_scripts_train_a_small_shape(tmp_path: Path, script: str, np
     assert summary["world_size"] == nproc and summary["steps"] == 3 and len(summary["losses"]) == 3
     assert summary["ratio"] == (0.5 if script == "run_opt13b.sh" else 0.4)
     assert all(math.isfinite(x) for x in summary["losses"])
+
+
+def test_train_opt_runs_at_the_models_full_context(tmp_path: Path) -> None:
+    """Sequences of exactly --seq-len tokens: OPT's 2048 positions are usable (one more token overflows them)."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes
+    summary_path = tmp_path / "summary.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", "opt-tiny", "--steps", "1",
+         "--seq-len", "2048", "--data", str(text), "--summary", str(summary_path)],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    summary = json.loads(summary_path.read_text())
+    assert math.isfinite(summary["first_loss"]) and summary["tokens_per_second_per_rank"] > 0
