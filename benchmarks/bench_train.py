@@ -256,6 +256,18 @@ def merge(parts: list[dict]) -> dict:
     return row
 
 
+def failure(code: int | str, output: str) -> str:
+    """What stopped a system: timeout, out of memory (CUDA's message), killed (a SIGKILL), or failed."""
+    if code == "timeout":
+        return "timeout"
+    if "out of memory" in output.lower():  # before SIGKILL: torchrun kills the other ranks after an OOM
+        return "out of memory"
+    tail = output[-3000:]
+    if code in (-9, 137) or "SIGKILL" in tail or "Killed" in tail:
+        return "killed (host memory?)"
+    return "failed"
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc), children before grandchildren."""
     children: dict[int, list[int]] = {}
@@ -327,12 +339,7 @@ def run_system(system: str, args, env: dict) -> dict:
         if code == 0 and len(parts) == args.gpus:
             row = merge(parts)
         else:
-            status = (
-                "timeout" if code == "timeout" else "out of memory" if "out of memory" in output.lower() else "failed"
-            )
-            if status == "failed" and (code in (-9, 137) or "SIGKILL" in output[-3000:] or "Killed" in output[-3000:]):
-                status = "killed (host memory?)"
-            row = {"system": system, "status": status, "returncode": code}
+            row = {"system": system, "status": failure(code, output), "returncode": code}
         row["wall_seconds"] = wall
         noise = ("warn", "return func(*args, **kwargs)", "Failed to load")
         kept = [line for line in output.splitlines() if not any(n in line for n in noise)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_train import markdown, parse_system
+from benchmarks.bench_train import failure, markdown, parse_system
 from twinflow.models import build_opt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,3 +95,14 @@ def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path) -> None:
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", "bench_train.py --worker"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"workers still running: {left.stdout}"
+
+
+@pytest.mark.parametrize("code, output, expected", [
+    ("timeout", "CUDA out of memory", "timeout"),
+    (1, "torch.OutOfMemoryError: CUDA out of memory ... Signal 9 (SIGKILL) received by PID 7", "out of memory"),
+    (1, "exitcode  : -9 (pid: 1840)\n traceback : Signal 9 (SIGKILL) received by PID 1840", "killed (host memory?)"),
+    (-9, "", "killed (host memory?)"),
+    (1, "ModuleNotFoundError: No module named 'deepspeed'", "failed"),
+])  # fmt: skip
+def test_failures_are_named_by_their_cause(code, output: str, expected: str) -> None:
+    assert failure(code, output) == expected
