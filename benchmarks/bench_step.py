@@ -8,20 +8,19 @@ For each ratio r it times, interleaved round by round:
   - gpu(r):  the device side alone (fused Adam over the GPU part's fp32 masters),
 and checks step(r) <= 1.15 x max(cpu(r), gpu(r)). Reference: torch fused
 AdamW on the GPU over fp32 copies of all parameters (ratio 0's yardstick). It
-also measures the staging path alone (chunked, double-buffered D2H of the CPU
-part's gradients and H2D of its weights) in GB/s.
+also measures the staging path alone in GB/s: one batched copy per direction
+between the CPU part's gradients and weights on the device and their chunk
+buffers (benchmarks/bench_transfer.py measures the chunked, overlapped path).
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import machine_info, write_json  # noqa: E402
+from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
 from twinflow import TwinFlowAdam, ops  # noqa: E402
 
 
@@ -37,23 +36,9 @@ def opt_shapes(layers: int = 32, hidden: int = 2560, ffn: int = 10240, vocab: in
     return shapes
 
 
-def sync_time(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def median_interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
-    for fn in fns.values():
-        for _ in range(warmup):
-            sync_time(fn)
-    samples = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            samples[k].append(sync_time(fn))
-    return {k: statistics.median(v) for k, v in samples.items()}
+def median_interleaved(fns: dict, rounds: int) -> dict:
+    """Median seconds of each fn, interleaved round by round, the device synchronised around each call."""
+    return interleaved_medians(fns, rounds, warmup=1, cuda_sync=True)
 
 
 def staging_bandwidth(opt: TwinFlowAdam) -> dict:

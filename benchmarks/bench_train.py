@@ -147,21 +147,15 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
         import twinflow
 
         config = twinflow_config(ratio, args.micro_batch, world, args.placement)
-        engine, opt, _, _ = twinflow.initialize(model=model, config=config)
-
-        def one_step(tokens):
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
-            engine.step()
-            return loss
-
+        engine, _, _, _ = twinflow.initialize(model=model, config=config)
         finish = engine.local_optimizer.synchronize
-
     else:  # DeepSpeed
         import deepspeed
 
         config = deepspeed_config(name, ratio, args.micro_batch)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    if name in ("twinflow", "ds-z3", "ds-z2"):  # the same engine calls for both
 
         def one_step(tokens):
             loss = engine(input_ids=tokens, labels=tokens).loss
@@ -213,10 +207,9 @@ def worker(args) -> None:
     finish()
     sync()
     done = time.perf_counter()
-    steps = [b - a for a, b in zip(ends[args.warmup - 1 :], ends[args.warmup :])] if args.warmup else []
-    if not args.warmup:
-        steps = [ends[0] - start] + [b - a for a, b in zip(ends, ends[1:])]
-    timed_from = ends[args.warmup - 1] if args.warmup else start
+    marks = [start, *ends]  # step i runs from marks[i] to marks[i + 1]
+    steps = [b - a for a, b in zip(marks[args.warmup : -1], marks[args.warmup + 1 :])]
+    timed_from = marks[args.warmup]
     result = {
         "system": args.worker,
         "name": name,
@@ -445,7 +438,6 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))  # fmt: skip
     name = f"bench_train_{args.model}" + (f"_x{args.gpus}" if args.gpus > 1 else "")
-    out = Path(args.out) if args.out else None
     result = {
         "benchmark": "bench_train",
         "command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]),
@@ -484,7 +476,7 @@ def main() -> None:
         plot(result["rows"], path.with_suffix(".png"), f"{args.model}, {args.gpus} GPU(s)")
     except Exception as exc:  # a missing matplotlib must not lose the measurements
         print(f"no plot: {exc}")
-    print(f"wrote {path}" + (f" ({out})" if out else ""))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

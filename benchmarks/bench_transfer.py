@@ -18,30 +18,19 @@ Needs a CUDA device. Writes JSON (--out, else $OUT/bench_transfer.json, else ben
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import machine_info, write_json  # noqa: E402
+from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
 from twinflow.transfer import Streams, pinned_buffers  # noqa: E402
 
 
 def timed(fn, rounds: int) -> float:
     """Median seconds of fn() with the device synchronised around it (one untimed warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return interleaved_medians({"fn": fn}, rounds, warmup=1, cuda_sync=True)["fn"]
 
 
 def chunked_round_trip(gpu: torch.Tensor, up: torch.Tensor, chunks: list[torch.Tensor], streams: Streams) -> None:

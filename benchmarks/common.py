@@ -32,19 +32,26 @@ def machine_info() -> dict:
     return info
 
 
-def interleaved_medians(fns: dict[str, Callable[[], None]], rounds: int, warmup: int = 2) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, cuda_sync: bool = False
+) -> dict[str, float]:
     """Times each fn once per round, round-robin, and returns each one's median seconds.
 
     Interleaving spreads drift (clock, other tenants) evenly over all systems.
+    With `cuda_sync` the device is synchronised before and after each call, so
+    queued GPU work counts.
     """
+    sync = torch.cuda.synchronize if cuda_sync else (lambda: None)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
 

@@ -14,6 +14,7 @@ from benchmarks.bench_train import failure, markdown, parse_system
 from twinflow.models import build_opt
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py")]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -45,7 +46,7 @@ def test_models_are_built_in_the_training_dtype() -> None:
 def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     # torchao's optimizer needs CUDA (or torchao is missing): that system fails, the run goes on
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--model", "opt-tiny", "--seq-len", "32",
+    cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32",
            "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
            "--systems", "amp", "torchao", "twinflow:0.4", "--steps-for", "twinflow:0.4=3,1",
            "--out", str(out)]  # fmt: skip
@@ -66,7 +67,7 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
 
 
 def test_bad_steps_for_is_refused_before_anything_runs() -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--systems", "amp",
+    cmd = [*BENCH, "--systems", "amp",
            "--steps-for", "bf16=3"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode != 0 and "--steps-for 'bf16=3': expected SYSTEM=N" in proc.stderr
@@ -86,7 +87,7 @@ def test_markdown_rows_for_cpu_results_and_failures() -> None:
 def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     # two processes under torchrun, far more steps than 12 seconds allow: the workers are mid-run at the timeout
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--model", "opt-tiny", "--seq-len", "32",
+    cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32",
            "--gpus", "2", "--systems", "twinflow:0.4", "--steps", "100000", "--timeout", "12",
            "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=300)

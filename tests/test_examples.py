@@ -38,16 +38,20 @@ def test_tune_cli_prints_a_recommendation_and_the_table(tmp_path: Path) -> None:
     assert [r["ratio"] for r in rows[1:]] == [0.0, 1.0] and all(r["step_s"] > 0 for r in rows)
 
 
-def test_train_opt_learns_from_a_local_text_file(tmp_path: Path) -> None:
-    text = tmp_path / "corpus.txt"
-    text.write_text((ROOT / "README.md").read_text())
-    summary_path = tmp_path / "summary.json"
+def run_train_opt(tmp_path: Path, text: bytes, *flags: str) -> dict:
+    """examples/train_opt.py on opt-tiny over `text` (a local file); its JSON summary."""
+    corpus, summary_path = tmp_path / "corpus.txt", tmp_path / "summary.json"
+    corpus.write_bytes(text)
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", "opt-tiny", "--steps", "15",
-         "--seq-len", "64", "--data", str(text), "--summary", str(summary_path)],
+        [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", "opt-tiny", "--data", str(corpus),
+         "--summary", str(summary_path), *flags],
         capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
-    summary = json.loads(summary_path.read_text())
+    return json.loads(summary_path.read_text())
+
+
+def test_train_opt_learns_from_a_local_text_file(tmp_path: Path) -> None:
+    summary = run_train_opt(tmp_path, (ROOT / "README.md").read_bytes(), "--steps", "15", "--seq-len", "64")
     assert summary["last_loss"] < summary["first_loss"] - 0.1
     assert summary["ratio"] == 0.4 and summary["parameters"] > 0 and summary["tokens_per_second_per_rank"] > 0
 
@@ -70,13 +74,5 @@ def test_the_opt_run_scripts_train_a_small_shape(tmp_path: Path, script: str, np
 
 def test_train_opt_runs_at_the_models_full_context(tmp_path: Path) -> None:
     """Sequences of exactly --seq-len tokens: OPT's 2048 positions are usable (one more token overflows them)."""
-    text = tmp_path / "corpus.txt"
-    text.write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes
-    summary_path = tmp_path / "summary.json"
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", "opt-tiny", "--steps", "1",
-         "--seq-len", "2048", "--data", str(text), "--summary", str(summary_path)],
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    summary = json.loads(summary_path.read_text())
+    summary = run_train_opt(tmp_path, bytes(range(32, 127)) * 30, "--steps", "1", "--seq-len", "2048")
     assert math.isfinite(summary["first_loss"]) and summary["tokens_per_second_per_rank"] > 0

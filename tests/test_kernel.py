@@ -363,7 +363,7 @@ def test_opcheck() -> None:
 def test_grad_scale_equals_prescaled_gradients(simd: str, adamw_mode: bool) -> None:
     gen = torch.Generator().manual_seed(9)
     sizes = [7, 1003]
-    a, b = random_set(sizes, gen), None
+    a = random_set(sizes, gen)
     b = {k: [t.clone() for t in v] for k, v in a.items()}
     for step in range(1, 6):
         grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]

@@ -18,6 +18,7 @@ the scheduler.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -67,7 +68,8 @@ def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: _local(value) for key, value in model.state_dict().items()}
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without torch.distributed)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -96,7 +98,7 @@ def save_checkpoint(
 
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"tag={tag!r}; expected a plain folder name")
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     folder = Path(directory) / tag
     folder.mkdir(parents=True, exist_ok=True)
     shard = {
@@ -159,6 +161,9 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restores this rank's shard into `model`, `optimizer` and `scheduler`; returns (extra, meta).
 
+    `meta` is the tag's metadata with ``tag`` added: the one loaded (``latest``
+    resolved).
+
     Everything is read and verified first; on any problem CheckpointError is
     raised and nothing has changed. The optimizer may be built with another
     ratio or placement than the saved one (TwinFlowAdam's state dict is
@@ -166,7 +171,7 @@ def load_checkpoint(
     """
     directory = Path(directory)
     tag, info = read_meta(directory, tag)
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     if info.get("world_size") != world:
         raise CheckpointError(
             f"checkpoint {tag!r} was saved by {info.get('world_size')} ranks; this run has {world}: resume with "
@@ -176,13 +181,13 @@ def load_checkpoint(
     expected = info["shards"].get(path.name)
     if expected is None or not path.exists():
         raise CheckpointError(f"checkpoint {tag!r}: shard {path.name} is missing")
-    size = path.stat().st_size
-    if size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+    data = path.read_bytes()  # read once: hashed, then loaded from memory
+    if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(
-            f"checkpoint {tag!r}: {path.name} is truncated or corrupted ({size} bytes, {expected['bytes']} "
+            f"checkpoint {tag!r}: {path.name} is truncated or corrupted ({len(data)} bytes, {expected['bytes']} "
             "recorded, or a different hash); load another tag"
         )
-    shard = torch.load(path, map_location="cpu", weights_only=True)
+    shard = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     current = _local_state(model)
     saved = shard["model"]
     if set(saved) != set(current):
@@ -208,4 +213,4 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {tag!r}: the optimizer state does not fit: {exc}") from exc
     if scheduler is not None:
         scheduler.load_state_dict(shard["scheduler"])
-    return shard["extra"], info
+    return shard["extra"], info | {"tag": tag}

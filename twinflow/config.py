@@ -376,9 +376,9 @@ def load_config(source: str | Path | dict[str, Any], *, world_size: int | None =
     if "world_size" in raw:
         raise ConfigError("world_size is not a config key: it comes from the launcher (torchrun)")
     if world_size is None:
-        import torch.distributed as dist
+        from twinflow.checkpoint import rank_and_world
 
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world_size = rank_and_world()[1]
     try:
         config = Config.model_validate(raw | {"world_size": world_size})
     except ValidationError as exc:

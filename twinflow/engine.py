@@ -26,6 +26,7 @@ Refused with a ConfigError: fp16 with stage 1 on several processes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -108,14 +109,14 @@ class Engine:
         else:
             self.network = model
         params = model_parameters if model_parameters is not None else model.parameters()
-        kwargs = self._optimizer_kwargs()
         # ZeRO-1: each rank's TwinFlowAdam sees only its share, so clipping by its own norm would be wrong.
         # DDP leaves every rank the whole averaged gradient: the engine clips over the whole model instead.
-        self._clip_in_engine = distributed and stage == 1 and config.gradient_clipping > 0
-        if distributed and stage == 1:
+        zero1 = distributed and stage == 1
+        self._clip_in_engine = zero1 and config.gradient_clipping > 0
+        kwargs = self._optimizer_kwargs(clip=not zero1)
+        if zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            kwargs["max_grad_norm"] = None
             self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=TwinFlowAdam, **kwargs)
             self.local_optimizer = self.optimizer.optim
         else:
@@ -127,13 +128,13 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
 
-    def _optimizer_kwargs(self) -> dict[str, Any]:
+    def _optimizer_kwargs(self, clip: bool) -> dict[str, Any]:
         config = self.config
         opt = config.optimizer
         kwargs: dict[str, Any] = {
             "ratio": config.ratio,
             "placement": config.offload_placement,
-            "max_grad_norm": config.gradient_clipping or None,
+            "max_grad_norm": (config.gradient_clipping or None) if clip else None,
         }
         if opt is not None:
             p = opt.params
@@ -162,13 +163,10 @@ class Engine:
         self.micro_steps += 1
 
     def _no_sync(self):
-        import contextlib
-
         stack = contextlib.ExitStack()
         if isinstance(self.network, torch.nn.parallel.DistributedDataParallel):
             stack.enter_context(self.network.no_sync())
-        if isinstance(self.local_optimizer, TwinFlowAdam):
-            stack.enter_context(self.local_optimizer.no_sync())
+        stack.enter_context(self.local_optimizer.no_sync())  # TwinFlowAdam, also under ZeRO-1
         return stack
 
     def step(self) -> None:
@@ -177,12 +175,12 @@ class Engine:
             return
         if self._clip_in_engine:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
-        skipped_before = getattr(self.local_optimizer, "skipped_steps", 0)
+        skipped_before = self.local_optimizer.skipped_steps
         if self.loss_scaler is not None:
             self.local_optimizer.unscale_(1.0 / self.loss_scaler.scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        overflow = getattr(self.local_optimizer, "skipped_steps", 0) > skipped_before
+        overflow = self.local_optimizer.skipped_steps > skipped_before
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         if self.lr_scheduler is not None and not overflow:  # as DeepSpeed: a skipped step keeps the schedule
@@ -206,8 +204,8 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
-        extra, _ = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
-                                   scheduler=self.lr_scheduler)  # fmt: skip
+        extra, meta = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
+                                      scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
             for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
                 group["lr"] = local["lr"]
@@ -215,7 +213,7 @@ class Engine:
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.loss_scaler is not None and extra.get("loss_scaler"):
             self.loss_scaler.load_state_dict(extra["loss_scaler"])
-        return Path(load_dir) / (tag or (Path(load_dir) / "latest").read_text().strip()), extra["client_state"]
+        return Path(load_dir) / meta["tag"], extra["client_state"]
 
 
 def _fully_shard(model: torch.nn.Module, reshard_after_forward: bool) -> None:

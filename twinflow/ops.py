@@ -167,9 +167,10 @@ def default_num_threads() -> int:
         return threads
     threads = torch.get_num_threads()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if threads == 1 and local > 1 and cores >= 2 * local:
-        _warn_one_thread(cores, local)
+    if threads == 1 and local > 1:  # called for every chunk: the core count only in this rare case
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if cores >= 2 * local:
+            _warn_one_thread(cores, local)
     return threads
 
 

@@ -26,7 +26,6 @@ One step:
 from __future__ import annotations
 
 import atexit
-import heapq
 import threading
 import time
 import weakref
@@ -271,7 +270,7 @@ class HostPipeline:
 
     def _push_ready(self, k: int) -> None:
         """Caller holds the lock."""
-        heapq.heappush(self._ready, k)
+        self._ready.append(k)
         if self.timeline is not None:
             self._ready_at[k] = time.perf_counter()
 
@@ -382,9 +381,8 @@ class HostPipeline:
         make the worker wait while landed ones could run.
         """
         landed = [k for k in self._ready if self.chunks[k].grad_ready.query()]
-        k = min(landed) if landed else self._ready[0]
+        k = min(landed or self._ready)
         self._ready.remove(k)
-        heapq.heapify(self._ready)
         return k
 
     def _run_chunk(self, k: int, pieces: list[_Piece], args: StepArgs) -> None:

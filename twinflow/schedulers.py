@@ -61,7 +61,7 @@ class WarmupDecayLR(WarmupLR):
 
     def _gamma(self, t: int) -> float:
         if t < self.warmup_num_steps:
-            return _warmup(t, self.warmup_num_steps, self.warmup_type)
+            return super()._gamma(t)
         return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 

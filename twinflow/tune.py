@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
+UPCAST_ELEMENTS = 1 << 26  # TwinFlowAdam's device side upcasts bf16/fp16 gradients at most this many at a time
 _PROBE_ELEMENTS = 1 << 26  # 1 GiB of fp32 state: well past a 300 MiB L3, which would flatter the kernel
 
 
@@ -227,6 +228,7 @@ class IterationProbe:
         margin: float,
         budget: int | None,
         num_threads: int | None,
+        upcast_elements: int = UPCAST_ELEMENTS,
     ) -> dict[str, Any]:
         step_start = self._now()
         overlap = "forward_end" in self._marks
@@ -248,7 +250,7 @@ class IterationProbe:
             elements=elements,
             grad_bytes=grad_bytes,
             state_bytes_per_element=(12 * low + 8 * (elements - low)) / max(elements, 1),
-            temp_bytes=min(low, 1 << 26) * 4,
+            temp_bytes=min(low, upcast_elements) * 4,
             # With "first" the CPU share's gradients come last in backward, after the memory peak may have
             # passed: only "last" counts on their release.
             released_bytes_per_ratio=grad_bytes if release_grads and placement == "last" else 0,

@@ -24,7 +24,7 @@ try:  # FSDP2 parameters and gradients are DTensors; TwinFlowAdam steps their lo
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch without torch.distributed
     _DTensor = None
-_UPCAST_ELEMENTS = 1 << 26  # device side: bf16/fp16 gradients are upcast at most this many elements at a time
+_UPCAST_ELEMENTS = tune.UPCAST_ELEMENTS  # device side: bf16/fp16 gradients are upcast at most this many at a time
 
 
 @dataclass
@@ -107,6 +107,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._steps = [0] * len(self._params)
         self.sync_gradients = True
         self.released_grad_bytes = 0  # GPU gradient memory handed back during the last backward
+        self.skipped_steps = 0  # fp16 steps skipped for an inf/NaN gradient
         self.auto_decision: dict[str, Any] | None = None
         self._model: torch.nn.Module | None = None
         self._attach_options: dict[str, Any] = {}
@@ -365,7 +366,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 "clip_grad_norm_ after an eager overlapped backward: the CPU share has already stepped with "
                 "unclipped gradients. Pass max_grad_norm= to TwinFlowAdam (the CPU then waits for the norm)"
             )
-        with_grad = self._with_grad()
+        return self._clip(max_norm, norm_type, self._with_grad())
+
+    def _clip(self, max_norm: float, norm_type: float, with_grad: list[int]) -> torch.Tensor:
         norms = self._norms(with_grad, float(norm_type))
         if not norms:
             return torch.tensor(0.0, device=self.device)
@@ -443,8 +446,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        args = self._step_args()  # checks the hyper-parameters before anything moves
         if self.ratio is None:
             self._choose_ratio()
         pipeline = self._pipeline
@@ -463,14 +465,13 @@ class TwinFlowAdam(torch.optim.Optimizer):
                     pipeline.download(i, _local(self._params[i].grad))
         if self._overflow(with_grad):
             log.warning("inf/NaN gradient in an fp16 model: step skipped on both sides")
-            self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+            self.skipped_steps += 1
             if pipeline is not None:
                 pipeline.discard()
             self._end_step()
             return loss
         if self.max_grad_norm is not None and not self._clipped:
-            self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
-        args = self._step_args()
+            self.last_grad_norm = self._clip(self.max_grad_norm, 2.0, with_grad)
         if pipeline is not None:
             eager = pipeline.released_args
             if eager is not None:  # the CPU share has been stepping since backward: both sides use its values
@@ -503,6 +504,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """ratio="auto": measure, decide, build the state (first step only)."""
         self.auto_decision = self._probe.decide(
             self._params,
+            upcast_elements=_UPCAST_ELEMENTS,
             placement=self.placement,
             eager=self._model is not None and self._attach_options.get("eager", False),
             release_grads=self._model is not None and self._attach_options.get("release_grads", False),
