@@ -503,7 +503,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def _choose_ratio(self) -> None:
         """ratio="auto": measure, decide, build the state (first step only)."""
         self.auto_decision = self._probe.decide(
-            self._params,
+            self._locals,  # what this process steps: under FSDP2 its shards, not the whole model
             upcast_elements=_UPCAST_ELEMENTS,
             placement=self.placement,
             eager=self._model is not None and self._attach_options.get("eager", False),
