@@ -9,7 +9,8 @@ weights. --data is a local text file, tokenised offline as UTF-8 bytes (ids
 0-255, all inside OPT's vocabulary); without it, synthetic token sequences
 with a structure to learn. Shows a progress bar (loss, tokens/s, TFLOP/s per
 GPU, GPU and host memory) and prints a JSON summary at the end. On a CPU-only
-machine the smallest model trains in fp32 for a few steps.
+machine the smallest model trains in fp32 for a few steps. A bad --config or
+--data file is reported in one line before anything is built.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -41,11 +43,25 @@ DEFAULT_CONFIG = {
 }
 
 
-def text_batches(path: Path, batch: int, seq: int, seed: int):
-    """Random windows of seq byte ids from a local text file, for ever (the model shifts the labels itself)."""
-    ids = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
-    if ids.numel() < seq:
-        raise SystemExit(f"--data {path}: {ids.numel()} bytes, need at least --seq-len = {seq}")
+def read_text_ids(path: Path, seq: int) -> torch.Tensor:
+    """A local text file's bytes as token ids; ValueError naming the file and the fix if it cannot be used."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"--data {path}: no such file: give a local text file, or leave --data out for synthetic "
+                         "tokens") from None  # fmt: skip
+    except IsADirectoryError:
+        raise ValueError(f"--data {path}: is a directory: give a text file inside it") from None
+    except OSError as exc:
+        raise ValueError(f"--data {path}: cannot be read ({exc.strerror or exc}): check its permissions") from None
+    if len(data) < seq:
+        raise ValueError(f"--data {path}: {len(data)} bytes, need at least --seq-len = {seq}: give a longer file or "
+                         "a smaller --seq-len")  # fmt: skip
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def text_batches(ids: torch.Tensor, batch: int, seq: int, seed: int):
+    """Random windows of seq byte ids from a text's ids, for ever (the model shifts the labels itself)."""
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, ids.numel() - seq + 1, (batch,), generator=gen)
@@ -61,30 +77,56 @@ def synthetic_batches(vocab: int, batch: int, seq: int, seed: int):
         yield (start + stride * torch.arange(seq)) % vocab
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def main() -> None:
+    """Parses the flags, checks the config and data files, then builds the model and trains it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="DeepSpeed-style JSON (default: bf16 on a GPU, ratio 0.4)")
     parser.add_argument("--model", default="opt-125m", choices=sorted(OPT_SHAPES))
     parser.add_argument("--model-path", default=None, help="local Hugging Face weights instead of random init")
     parser.add_argument("--data", default=None, help="a local text file (default: synthetic tokens)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps")
+    parser.add_argument("--seq-len", type=positive_int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", default=None, help="also write the JSON summary here")
     args = parser.parse_args()
 
-    if "LOCAL_RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    def fail(message: str) -> NoReturn:
+        # One line, no traceback and no usage text: the message says what to change.
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
     cuda = torch.cuda.is_available()
+    # Both files are checked before any process group or model exists; the world size is torchrun's.
+    distributed = "LOCAL_RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    if args.config:
+        source = args.config
+    else:
+        source = DEFAULT_CONFIG | ({"bf16": {"enabled": True}} if cuda else {})
+    try:
+        config = twinflow.load_config(source, world_size=world_size)
+    except twinflow.ConfigError as exc:
+        # File problems already name the file; problems inside it do not.
+        named = args.config is None or args.config in str(exc)
+        fail(f"--config{'' if named else ' ' + args.config}: {exc}" if args.config else str(exc))
+    try:
+        text_ids = read_text_ids(Path(args.data), args.seq_len) if args.data else None
+    except ValueError as exc:
+        fail(str(exc))
+
+    if distributed:
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
-    config = json.loads(Path(args.config).read_text()) if args.config else dict(DEFAULT_CONFIG)
-    if not args.config and cuda:
-        config["bf16"] = {"enabled": True}
-    config = twinflow.load_config(config)
     dtype = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else torch.float32
 
     torch.manual_seed(args.seed)
@@ -102,8 +144,8 @@ def main() -> None:
 
     micro, accumulation = config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
     seed = args.seed + 1 + rank
-    if args.data:
-        data = text_batches(Path(args.data), micro, args.seq_len, seed)
+    if text_ids is not None:
+        data = text_batches(text_ids, micro, args.seq_len, seed)
     else:
         data = synthetic_batches(model.config.vocab_size, micro, args.seq_len, seed)
     tokens_per_step = micro * accumulation * args.seq_len
@@ -122,11 +164,12 @@ def main() -> None:
         elapsed = time.perf_counter() - step_start
         times.append(elapsed)
         if hasattr(bar, "set_postfix"):
-            gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
-                            tflops=f"{flops_per_step / elapsed / 1e12:.1f}", gpu_gib=f"{gpu:.1f}",
-                            host_gib=f"{host:.1f}")  # fmt: skip
+            shown = dict(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
+                         tflops=f"{flops_per_step / elapsed / 1e12:.1f}")  # fmt: skip
+            if cuda:  # no GPU figure on a CPU run (the summary says null there too)
+                shown["gpu_gib"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
+            bar.set_postfix(**shown, host_gib=f"{host:.1f}")
     if hasattr(optimizer, "synchronize"):
         optimizer.synchronize()
     seconds = (time.perf_counter() - start) / args.steps

@@ -2,6 +2,9 @@
 
 import json
 import logging
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -51,34 +54,44 @@ def test_deepspeed_twin_flow_file_loads_unchanged(tmp_path, caplog: pytest.LogCa
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}},
          r"zero_optimization\.offload_optimizer\.ratio = 1\.5: Input should be less than or equal to 1"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "abc"}}},
-         r"zero_optimization\.offload_optimizer\.ratio = 'abc': expected a number, got str"),
-        ({"offload_ratio": "0.5"}, r"offload_ratio = '0\.5': expected a number"),
+         r'zero_optimization\.offload_optimizer\.ratio = "abc": expected a number, got a string'),
+        ({"offload_ratio": "0.5"},
+         r'offload_ratio = "0\.5": expected a number, got a string: write 0\.5 without quotes'),
+        ({"steps_per_print": True}, r"steps_per_print = true: expected a number, got a boolean"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-4}}},
          r"optimizer\.params\.lr = -0\.0001: Input should be greater than or equal to 0"),
-        ({"optimizer": {"type": "SGD"}}, r"optimizer\.type = 'SGD': Input should be 'adam' or 'adamw'"),
+        ({"optimizer": {"type": "SGD"}}, r'optimizer\.type = "SGD": expected "Adam" or "AdamW" \(any case\)'),
         ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}}, r"betas\[1\] = 1\.0: expected .*\[0, 1\)"),
         ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
          r"train_batch_size = 30 but .* = 4 x 2 x 1 = 8"),
-        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, r"30 is not a multiple of .* 4 x 1"),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+         r"30 is not a multiple of .* 4 x 1 = 4: set train_batch_size to a multiple of 4 \(e\.g\. 28 or 32\)"),
         ({"offload_ratio": 0.3, "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.4}}},
          r"offload_ratio = 0\.3 disagrees with zero_optimization\.offload_optimizer\.ratio = 0\.4"),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization\.stage = 4: Input should be less than or equal to 3"),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
-         r"offload_optimizer\.device = 'nvme': Input should be 'cpu' or 'none'"),
+         r"offload_optimizer\.device = \"nvme\": Input should be 'cpu' or 'none'"),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
-         r"scheduler\.WarmupDecayLR\.params\.total_num_steps: required key missing"),
-        ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler = .*does not match any of the expected tags"),
+         r"^invalid twinflow config:\n  - scheduler\.params\.total_num_steps: required key missing$"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}},
+         r'scheduler\.type = "OneCycle": expected one of "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"'),
+        ({"scheduler": {"params": {}}}, r"scheduler\.type: required key missing"),
+        ({"bf16": True}, r"bf16 = true: expected an object \{\.\.\.\}, got a boolean"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"both true: enable one of them"),
-        ({"gradient_clipinng": 1.0}, r"gradient_clipinng: not a key twinflow or DeepSpeed knows \(did you mean "
-                                     r"gradient_clipping\?\)"),
+        ({"gradient_clipinng": 1.0}, r"gradient_clipinng: not a key twinflow or DeepSpeed knows: did you mean "
+                                     r"gradient_clipping\?"),
+        ({"colour": 1.0}, r"colour: not a key twinflow or DeepSpeed knows: remove it"),
         ({"fp16": {"enabled": True, "loss_scale_window": 0}}, r"fp16\.loss_scale_window = 0: Input should be greater"),
-        ({"world_size": 4}, r"world_size is not a config key"),
+        ({"world_size": 4}, r"world_size is not a config key .*: remove it"),
     ],
 )  # fmt: skip
 def test_malformed_configs_name_key_value_and_expectation(patch: dict, message: str) -> None:
     raw = {"train_micro_batch_size_per_gpu": 2} | patch
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as error:
         load_config(raw)
+    # The problem is named, not the input dumped (which would also show the world_size load_config adds)
+    assert not re.search(r"""\{["']train_micro_batch_size_per_gpu["']: 2""", str(error.value)), str(error.value)
+    assert "(top level)" not in str(error.value)
 
 
 def test_config_error_is_a_value_error() -> None:
@@ -129,14 +142,22 @@ def test_scheduler_params_with_deepspeeds_names_and_defaults() -> None:
 
 
 def test_file_problems_are_config_errors(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="cannot read config file"):
-        load_config(tmp_path / "missing.json")
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ConfigError, match=f"config file '{missing}' not found: check the path"):
+        load_config(missing)
     bad = tmp_path / "bad.json"
     bad.write_text('{"train_batch_size": 8,\n "bf16": {enabled: true}}')
-    with pytest.raises(ConfigError, match="not valid JSON at line 2"):
+    with pytest.raises(ConfigError, match=f"{bad}: not valid JSON at line 2, column 11: Expecting property name"):
         load_config(bad)
     bad.write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="expected a JSON object"):
+    with pytest.raises(ConfigError, match="expected a JSON object .* got a list"):
+        load_config(bad)
+    # json would keep the second value without a word; DeepSpeed refuses duplicates
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}, "bf16": {"enabled": false}}')
+    with pytest.raises(ConfigError, match=f'{bad}: key "bf16" appears twice in one JSON object: keep one'):
+        load_config(bad)
+    bad.write_bytes(b'{"train_micro_batch_size_per_gpu": 2, "x": "\xff"}')
+    with pytest.raises(ConfigError, match=f"{bad}: not UTF-8 text"):
         load_config(bad)
 
 
@@ -173,5 +194,139 @@ def test_offload_placement_reaches_the_optimizer_and_bad_values_are_named() -> N
     assert optimizer.placement == "last"
     engine.local_optimizer.detach()
     assert load_config(base).offload_placement == "first"
-    with pytest.raises(ConfigError, match=r"offload_placement = 'middle'.*'first' or 'last'"):
+    with pytest.raises(ConfigError, match=r"offload_placement = \"middle\".*'first' or 'last'"):
         load_config(base | {"offload_placement": "middle"})
+
+
+FLAGS = ["bf16.enabled", "fp16.enabled", "optimizer.params.adam_w_mode", "optimizer.params.bias_correction",
+         "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.cpu_offload"]  # fmt: skip
+
+
+def _nested(path: str, value: object) -> dict:
+    """{"a": {"b": value}} from "a.b" (optimizer sections get the type they need)."""
+    *parents, leaf = path.split(".")
+    raw: dict = {leaf: value}
+    for key in reversed(parents):
+        raw = {key: raw}
+    if "optimizer" in raw:
+        raw["optimizer"]["type"] = "Adam"
+    return {"train_micro_batch_size_per_gpu": 1} | raw
+
+
+NOT_BOOLEANS = [("yes", '"yes"'), ("no", '"no"'), ("true", '"true"'), (0, "0"), (1, "1"), (None, "null")]
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    (key, value, shown) for key in FLAGS for value, shown in NOT_BOOLEANS
+    if not (value is None and key == "zero_optimization.cpu_offload")  # null there means not given
+])  # fmt: skip
+def test_booleans_are_true_or_false_only(key: str, value: object, shown: str) -> None:
+    # pydantic alone reads "yes" as true and "no" or 0 as false; a JSON config means what its types say
+    with pytest.raises(ConfigError, match=re.escape(f"{key} = {shown}: expected true or false")):
+        load_config(_nested(key, value))
+
+
+@pytest.mark.parametrize("key", [k for k in FLAGS if k != "zero_optimization.cpu_offload"])
+def test_booleans_accept_true_and_false(key: str) -> None:
+    for value in (True, False):
+        config = load_config(_nested(key, value))
+        section = config
+        for part in key.split("."):
+            section = getattr(section, part)
+        assert section is value
+
+
+@pytest.mark.parametrize("offload, why", [
+    ({"ratio": 0.4}, "DeepSpeed's default"),
+    ({"ratio": 0.4, "device": "none"}, "as given"),
+    ({"ratio": 0.4, "pin_memory": True}, "DeepSpeed's default"),
+])  # fmt: skip
+def test_a_nested_ratio_without_the_cpu_device_is_refused(offload: dict, why: str) -> None:
+    # DeepSpeed's offload_optimizer.device defaults to "none": the ratio alone would train with no offload
+    with pytest.raises(ConfigError) as error:
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"offload_optimizer": offload}})
+    message = str(error.value)
+    assert "zero_optimization.offload_optimizer.ratio = 0.4 has no effect" in message
+    assert why in message and 'set "device": "cpu" in zero_optimization.offload_optimizer' in message
+
+
+def test_offload_with_no_effect_is_refused_but_ratio_zero_is_fine() -> None:
+    base = {"train_micro_batch_size_per_gpu": 1}
+    assert load_config(base | {"zero_optimization": {"offload_optimizer": {"ratio": 0}}}).ratio == 0.0
+    assert load_config(base | {"zero_optimization": {"offload_optimizer": {"device": "none"}}}).ratio == 0.0
+    with pytest.raises(
+        ConfigError,
+        match=r"offload_ratio = 0\.4 contradicts zero_optimization\.offload_optimizer\."
+        r'device = "none" .*: set "device": "cpu", or remove offload_ratio',
+    ):
+        load_config(base | {"offload_ratio": 0.4, "zero_optimization": {"offload_optimizer": {"device": "none"}}})
+
+
+def test_deprecated_cpu_offload_is_full_offload_as_in_deepspeed(caplog: pytest.LogCaptureFixture) -> None:
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with caplog.at_level(logging.WARNING, logger="twinflow.config"):
+        config = load_config(base | {"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert config.ratio == 1.0 and config.zero_optimization.offload_optimizer.device == "cpu"
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "zero_optimization.cpu_offload is deprecated" in warning
+    assert 'offload_optimizer {"device": "cpu", "ratio": 1.0}' in warning and "ignores" not in warning
+    # an explicit offload_optimizer that agrees is kept; false means no offload
+    agreeing = {"cpu_offload": True, "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 1.0}}
+    config = load_config(base | {"zero_optimization": agreeing})
+    assert config.ratio == 1.0 and config.zero_optimization.offload_optimizer.pin_memory
+    assert load_config(base | {"offload_ratio": 1.0, "zero_optimization": {"cpu_offload": True}}).ratio == 1.0
+    assert load_config(base | {"zero_optimization": {"cpu_offload": False}}).ratio == 0.0
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "none"}}},
+     r'cpu_offload = true contradicts zero_optimization\.offload_optimizer\.device = "none"'),
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"pin_memory": True}}},
+     r"cpu_offload = true contradicts .*device = \"none\" \(DeepSpeed's default\)"),
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu", "ratio": 0.4}}},
+     r"cpu_offload = true \(everything on the CPU, ratio 1\.0\) contradicts .*offload_optimizer\.ratio = 0\.4"),
+    ({"zero_optimization": {"cpu_offload": False, "offload_optimizer": {"device": "cpu"}}},
+     r'cpu_offload = false contradicts zero_optimization\.offload_optimizer\.device = "cpu"'),
+    ({"offload_ratio": 0.4, "zero_optimization": {"cpu_offload": True}},
+     r"cpu_offload = true \(ratio 1\.0\) contradicts offload_ratio = 0\.4"),
+])  # fmt: skip
+def test_cpu_offload_contradicting_offload_settings_is_refused(patch: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message + ": remove the deprecated zero_optimization.cpu_offload"):
+        load_config({"train_micro_batch_size_per_gpu": 1} | patch)
+
+
+def test_disagreeing_ratios_name_both_keys_and_the_fix_without_dumping_the_config() -> None:
+    raw = {"train_micro_batch_size_per_gpu": 1, "offload_ratio": 0.3,
+           "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.4}}}  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        load_config(raw)
+    assert str(error.value) == (
+        "invalid twinflow config:\n  - offload_ratio = 0.3 disagrees with zero_optimization.offload_optimizer.ratio "
+        "= 0.4: give one of them, or the same value in both"
+    )
+
+
+@pytest.mark.parametrize("betas, message", [
+    ([0.9, 1.5], r"betas\[1\] = 1\.5: expected a number in \[0, 1\)$"),
+    ([0.9, 1.0], r"betas\[1\] = 1\.0: expected a number in \[0, 1\)$"),
+    ([-0.1, 0.9], r"betas\[0\] = -0\.1: expected a number in \[0, 1\)$"),
+    ([0.9, 0.99, 0.9], r"betas = \[0\.9, 0\.99, 0\.9\]: expected a list of two numbers"),
+    (0.9, r"betas = 0\.9: expected a list of two numbers \[beta1, beta2\], each in \[0, 1\)"),
+])  # fmt: skip
+def test_betas_message_matches_the_rule(betas: object, message: str) -> None:
+    # one rule for every beta, [0, 1), and one message saying it (1.5 used to say "<= 1" while 1.0 was refused)
+    with pytest.raises(ConfigError, match=r"optimizer\.params\." + message):
+        load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"betas": betas}}})
+
+
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "examples" / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
+def test_example_configs_load_without_any_warning(path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # README points new users at these files; a warning on every use teaches them to ignore warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.DEBUG):
+            load_config(path, world_size=1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -5,7 +5,12 @@ names and meanings, derives the batch sizes by DeepSpeed's rule, and returns
 a :class:`Config`. Keys DeepSpeed has and twinflow does not use are ignored
 with one warning naming them; any other key, a wrong type or a value out of
 range raises :class:`ConfigError` naming the key path, the value and what
-was expected. DeepSpeed's own Twin-Flow files load unchanged.
+was expected. Types are strict: a boolean is true or false and a number is
+a number (not "yes", 1 or "0.5"). Offload settings that contradict each
+other, or that DeepSpeed would read as no offload, are refused; DeepSpeed's
+deprecated ``zero_optimization.cpu_offload`` is read as DeepSpeed reads it
+(true: offload_optimizer device "cpu", ratio 1.0), with a warning. DeepSpeed's
+own Twin-Flow files load unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +39,72 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names every offending key, its value and the fix."""
 
 
+class _Problem(ValueError):
+    """A check across keys whose message names every key itself (printed without pydantic's location and input)."""
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages about a JSON file."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else type(value).__name__
+
+
+def _show(value: Any) -> str:
+    """A value as it is written in a JSON config ("yes", true, null), else as Python writes it."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _no_text(value: Any) -> Any:
     # pydantic would read "0.5" as 0.5 and true as 1; a JSON config means what its types say.
     if isinstance(value, str | bool):
-        raise ValueError(f"expected a number, got {type(value).__name__}")
+        hint = ""
+        if isinstance(value, str):
+            try:
+                float(value)
+                hint = f": write {value.strip()} without quotes"
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {_kind(value)}{hint}")
     return value
+
+
+def _strict_bool(value: Any) -> Any:
+    # pydantic would read "yes", "off", 1 and 0 as booleans; a JSON config means what its types say.
+    if not isinstance(value, bool):
+        hint = " without quotes" if isinstance(value, str) and value.strip().lower() in ("true", "false") else ""
+        raise ValueError(f"expected true or false{hint}, got {_kind(value)}")
+    return value
+
+
+def _beta(value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ValueError("expected a number in [0, 1)")
+    return value
+
+
+def _beta_pair(value: Any) -> Any:
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError("expected a list of two numbers [beta1, beta2], each in [0, 1), e.g. [0.9, 0.999]")
+    return value
+
+
+def _optimizer_type(value: Any) -> Any:
+    # DeepSpeed matches the type case-insensitively; anything else is reported as written.
+    if isinstance(value, str) and value.lower() in ("adam", "adamw"):
+        return value.lower()
+    raise ValueError('expected "Adam" or "AdamW" (any case): twinflow steps Adam only')
 
 
 def _finite(value: Any) -> Any:
@@ -43,6 +117,8 @@ def _finite(value: Any) -> Any:
 Number = Annotated[float, BeforeValidator(_finite)]
 Count = Annotated[int, BeforeValidator(_no_text)]
 Fraction = Annotated[float, BeforeValidator(_finite), Field(ge=0.0, le=1.0)]
+Flag = Annotated[bool, BeforeValidator(_strict_bool)]
+Beta = Annotated[float, BeforeValidator(_finite), AfterValidator(_beta)]
 
 
 class _Section(BaseModel):
@@ -51,13 +127,13 @@ class _Section(BaseModel):
 
 
 class BF16(_Section):
-    enabled: bool = False
+    enabled: Flag = False
 
 
 class FP16(_Section):
     """DeepSpeed's fp16 block: loss_scale 0 means dynamic scaling starting at 2**initial_scale_power."""
 
-    enabled: bool = False
+    enabled: Flag = False
     loss_scale: Annotated[Number, Field(ge=0.0)] = 0.0
     initial_scale_power: Annotated[Count, Field(ge=0, le=64)] = 16
     loss_scale_window: Annotated[Count, Field(gt=0)] = 1000
@@ -67,26 +143,15 @@ class FP16(_Section):
 
 class OptimizerParams(_Section):
     lr: Annotated[Number, Field(ge=0.0)] = 1e-3
-    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_beta_pair)] = (0.9, 0.999)
     eps: Annotated[Number, Field(ge=0.0)] = 1e-8
     weight_decay: Annotated[Number, Field(ge=0.0)] = 0.0
-    adam_w_mode: bool = True  # DeepSpeed's "Adam" decouples weight decay unless this is false
-    bias_correction: bool = True
-
-    @model_validator(mode="after")
-    def _betas_below_one(self) -> OptimizerParams:
-        for i, beta in enumerate(self.betas):
-            if beta >= 1.0:
-                raise ValueError(f"betas[{i}] = {beta}: expected a number in [0, 1)")
-        return self
+    adam_w_mode: Flag = True  # DeepSpeed's "Adam" decouples weight decay unless this is false
+    bias_correction: Flag = True
 
 
 class Optimizer(_Section):
-    # DeepSpeed matches the type case-insensitively; an unknown one is reported as written.
-    type: Annotated[
-        Literal["adam", "adamw"],
-        BeforeValidator(lambda v: v.lower() if isinstance(v, str) and v.lower() in ("adam", "adamw") else v),
-    ]
+    type: Annotated[Literal["adam", "adamw"], BeforeValidator(_optimizer_type)]
     params: OptimizerParams = OptimizerParams()
 
     @property
@@ -133,14 +198,24 @@ class WarmupCosineLR(_Section):
 
 
 class OffloadOptimizer(_Section):
-    device: Literal["cpu", "none"] = "none"
-    pin_memory: bool = False
+    device: Literal["cpu", "none"] = "none"  # DeepSpeed's default: no offload, whatever the ratio says
+    pin_memory: Flag = False
     ratio: Fraction = 1.0  # DeepSpeed's default: everything on the CPU once offloading
 
 
 class ZeroOptimization(_Section):
     stage: Annotated[Count, Field(ge=0, le=3)] = 0
     offload_optimizer: OffloadOptimizer = OffloadOptimizer()
+    # DeepSpeed's deprecated spelling of offload_optimizer {"device": "cpu"} (ratio 1.0); read as DeepSpeed reads it.
+    cpu_offload: Flag | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _map_cpu_offload(cls, data: Any) -> Any:
+        # Only when offload_optimizer is absent: an explicit one stays as written and Config checks that they agree.
+        if isinstance(data, dict) and data.get("cpu_offload") is True and "offload_optimizer" not in data:
+            return data | {"offload_optimizer": {"device": "cpu"}}
+        return data
 
 
 class Config(_Section):
@@ -164,14 +239,12 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        problems = []
         if self.bf16.enabled and self.fp16.enabled:
-            raise ValueError("bf16.enabled and fp16.enabled are both true: enable one of them")
-        nested = self.zero_optimization.offload_optimizer
-        if self.offload_ratio is not None and "ratio" in nested.model_fields_set and nested.ratio != self.offload_ratio:
-            raise ValueError(
-                f"offload_ratio = {self.offload_ratio} disagrees with zero_optimization.offload_optimizer.ratio = "
-                f"{nested.ratio}: give one of them, or the same value in both"
-            )
+            problems.append("bf16.enabled and fp16.enabled are both true: enable one of them")
+        problems += _offload_problems(self)
+        if problems:
+            raise _Problem("\n  - ".join(problems))
         return self
 
     @property
@@ -181,6 +254,53 @@ class Config(_Section):
             return self.offload_ratio
         nested = self.zero_optimization.offload_optimizer
         return nested.ratio if nested.device == "cpu" else 0.0
+
+
+def _offload_problems(config: Config) -> list[str]:
+    """Offload settings that contradict each other, or that DeepSpeed would read as no offload at all."""
+    problems = []
+    zero = config.zero_optimization
+    nested = zero.offload_optimizer
+    given = nested.model_fields_set
+    key = "zero_optimization.offload_optimizer"
+    if "ratio" in given and nested.ratio > 0 and nested.device != "cpu":
+        why = "as given" if "device" in given else "DeepSpeed's default"
+        problems.append(
+            f'{key}.ratio = {nested.ratio} has no effect while {key}.device is "none" ({why}: no offload): '
+            f'set "device": "cpu" in {key} to step that share on the CPU, or remove the ratio'
+        )
+    if config.offload_ratio and "device" in given and nested.device == "none":
+        problems.append(
+            f'offload_ratio = {config.offload_ratio} contradicts {key}.device = "none" (no offload): '
+            'set "device": "cpu", or remove offload_ratio to train without offload'
+        )
+    if config.offload_ratio is not None and "ratio" in given and nested.ratio != config.offload_ratio:
+        problems.append(
+            f"offload_ratio = {config.offload_ratio} disagrees with {key}.ratio = {nested.ratio}: "
+            "give one of them, or the same value in both"
+        )
+    if zero.cpu_offload is not None:
+        # cpu_offload: true is DeepSpeed's full offload (device cpu, ratio 1.0); false is no offload.
+        meant = 1.0 if zero.cpu_offload else 0.0
+        flag = "true" if zero.cpu_offload else "false"
+        fix = "remove the deprecated zero_optimization.cpu_offload"
+        if (nested.device == "cpu") != zero.cpu_offload:
+            default = "" if "device" in given else " (DeepSpeed's default)"
+            problems.append(
+                f"zero_optimization.cpu_offload = {flag} contradicts {key}.device = {_show(nested.device)}{default}: "
+                f"{fix}"
+            )
+        elif zero.cpu_offload and "ratio" in given and nested.ratio != meant:
+            problems.append(
+                f"zero_optimization.cpu_offload = true (everything on the CPU, ratio 1.0) contradicts "
+                f"{key}.ratio = {nested.ratio}: {fix}"
+            )
+        if config.offload_ratio is not None and config.offload_ratio != meant:
+            problems.append(
+                f"zero_optimization.cpu_offload = {flag} (ratio {meant}) contradicts offload_ratio = "
+                f"{config.offload_ratio}: {fix}"
+            )
+    return problems
 
 
 # Keys DeepSpeed accepts that twinflow does not use: ignored with one warning. Anything else is refused.
@@ -239,7 +359,6 @@ _DEEPSPEED_IGNORED = {
         "allgather_bucket_size",
         "use_multi_rank_bucket_allreduce",
         "sub_group_size",
-        "cpu_offload",
         "cpu_offload_params",
         "cpu_offload_use_pin_memory",
         "offload_param",
@@ -312,18 +431,52 @@ def _extras(section: BaseModel, path: str, ignored: list[str], unknown: list[tup
             _extras(child, f"{path}.{name}" if path else name, ignored, unknown)
 
 
+_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def _key_path(loc: tuple[str | int, ...]) -> str:
+    """The key path as the user wrote it: list indices in brackets, pydantic's own entries left out."""
+    path = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.startswith("function-") or (i == 1 and loc[0] == "scheduler" and part in _SCHEDULERS):
+            continue  # a validator's name, or the scheduler type pydantic adds to the path
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
 def _describe(error: dict[str, Any]) -> str:
-    path = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-")) or "(top level)"
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] in ("missing",):
+    """One problem as "key = value: what was expected", never dumping a whole section."""
+    if isinstance(error.get("ctx", {}).get("error"), _Problem):
+        return str(error["ctx"]["error"])
+    path = _key_path(error["loc"])
+    value = error.get("input")
+    kind = error["type"]
+    schedulers = ", ".join(_show(name) for name in _SCHEDULERS)
+    if kind == "missing":
         return f"{path}: required key missing"
-    return f"{path} = {error.get('input')!r}: {message}"
+    if kind == "union_tag_invalid":
+        return f"{path}.type = {_show(error['ctx']['tag'])}: expected one of {schedulers}"
+    if kind == "union_tag_not_found":
+        return f"{path}.type: required key missing (one of {schedulers})"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{path or 'the config'} = {_show(value)}: expected an object {{...}}, got {_kind(value)}"
+    message = error["msg"].removeprefix("Value error, ")
+    if isinstance(value, dict):  # a section: its contents are not the problem's value
+        return f"{path or 'the config'}: {message}"
+    return f"{path} = {_show(value)}: {message}"
 
 
 def _divide(train: int, factor: int, what: str) -> int:
     quotient, rest = divmod(train, factor)
     if rest or quotient == 0:
-        raise ConfigError(f"train_batch_size = {train} is not a multiple of {what}")
+        nearest = sorted({max(factor, train - rest), train - rest + factor})
+        raise ConfigError(
+            f"train_batch_size = {train} is not a multiple of {what} = {factor}: set train_batch_size to a "
+            f"multiple of {factor} (e.g. {' or '.join(map(str, nearest))}), or leave it out to have it derived"
+        )
     return quotient
 
 
@@ -352,6 +505,16 @@ def derive_batch_sizes(
     raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them)")
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys without a word; DeepSpeed refuses them, and so do we.
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Problem(f"key {_show(key)} appears twice in one JSON object: keep one of them")
+        seen[key] = value
+    return seen
+
+
 def load_config(source: str | Path | dict[str, Any], *, world_size: int | None = None) -> Config:
     """Reads a DeepSpeed-style JSON file (or an already parsed dict) into a validated :class:`Config`.
 
@@ -365,16 +528,23 @@ def load_config(source: str | Path | dict[str, Any], *, world_size: int | None =
         path = Path(source)
         try:
             text = path.read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            raise ConfigError(f"config file {str(path)!r} not found{where}: check the path") from exc
         except OSError as exc:
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): a config is a JSON file") from exc
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+        except _Problem as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object at the top level, got {type(raw).__name__}")
+            raise ConfigError(f"{path}: expected a JSON object {{...}} at the top level, got {_kind(raw)}")
     if "world_size" in raw:
-        raise ConfigError("world_size is not a config key: it comes from the launcher (torchrun)")
+        raise ConfigError("world_size is not a config key (it comes from the launcher, torchrun): remove it")
     if world_size is None:
         from twinflow.checkpoint import rank_and_world
 
@@ -388,11 +558,18 @@ def load_config(source: str | Path | dict[str, Any], *, world_size: int | None =
     unknown: list[tuple[str, list[str]]] = []
     _extras(config, "", ignored, unknown)
     if unknown:
-        lines = [f"{key}: not a key twinflow or DeepSpeed knows" + (f" (did you mean {' or '.join(close)}?)"
-                 if close else "") for key, close in unknown]  # fmt: skip
+        lines = [f"{key}: not a key twinflow or DeepSpeed knows: " + (f"did you mean {' or '.join(close)}?"
+                 if close else "remove it") for key, close in unknown]  # fmt: skip
         raise ConfigError("invalid twinflow config:\n  - " + "\n  - ".join(lines))
     if ignored:
         log.warning("twinflow ignores these DeepSpeed keys: %s", ", ".join(ignored))
+    if config.zero_optimization.cpu_offload is not None:
+        log.warning(
+            "zero_optimization.cpu_offload is deprecated in DeepSpeed; read as %s",
+            'offload_optimizer {"device": "cpu", "ratio": 1.0} (the whole step on the CPU): write that instead'
+            if config.zero_optimization.cpu_offload
+            else "no optimizer offload: remove it",
+        )
     train, micro, accumulation = derive_batch_sizes(
         config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
         world_size,
