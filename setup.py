@@ -35,8 +35,10 @@ setup(
     # (CPU: `pip install torch==2.13.0`), and pip keeps it.
     install_requires=["torch>=2.4", "numpy", "ninja", "pydantic>=2.6"],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6"],
-        "examples": ["tqdm", "transformers"],
+        # Everything the test suite runs: the examples and benchmarks it drives, and the clients
+        # (Hugging Face transformers and accelerate) it drives twinflow from.
+        "test": ["pytest>=8", "ruff==0.17.6", "tqdm", "transformers>=4.46", "accelerate>=1.0"],
+        "examples": ["tqdm", "transformers>=4.46"],
         "compare": ["deepspeed"],
     },
     ext_modules=ext_modules,

@@ -96,7 +96,7 @@ def test_optimizer_decides_at_first_step_and_then_matches_adamw() -> None:
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     ref.load_state_dict(model.state_dict())
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio="auto", chunk_bytes=1024).attach(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)  # the same defaults, weight decay 0.01 included
     with pytest.raises(RuntimeError, match="decided at the first step"):
         opt.state_dict()
     gen = torch.Generator().manual_seed(1)

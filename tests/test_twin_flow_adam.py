@@ -337,3 +337,18 @@ def test_device_side_upcast_in_small_pieces_changes_nothing(monkeypatch: pytest.
         assert opt.state_dict()["state"][len(results[-1]) - 1]["step"].item() == 6
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
+def test_load_state_dict_names_the_parameter_and_the_missing_entry_before_changing_anything(key: str) -> None:
+    params = [torch.nn.Parameter(torch.randn(16, 4)), torch.nn.Parameter(torch.randn(9))]
+    opt = TwinFlowAdam(params, lr=1e-3, ratio=0.5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["state"][1][key]
+    saved["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match=rf"parameter 1: no '{key}' entry"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-3  # nothing changed

@@ -70,7 +70,7 @@ class CPUAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,  # torch.optim.AdamW's default
         adamw_mode: bool = True,
         bias_correction: bool = True,
         *,
@@ -79,6 +79,8 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         super().__init__(params, defaults)
         self.num_threads = num_threads
+        if self.param_groups:
+            ops.load()  # build the kernel now: a missing compiler is reported here, not at the first step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # State dicts from torch.optim.AdamW/Adam lack our group keys.

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 from collections.abc import Sequence
@@ -28,6 +29,9 @@ _SOURCES = ("cpu_adam.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avx5
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 _LOAD_LOCK = threading.Lock()
 _loaded = False
+# A cached kernel loads in well under this; a compile takes about 15 s. Past it, one line tells the user why
+# the program is quiet (a progress bar would otherwise stall with no explanation).
+_BUILD_NOTICE_AFTER_S = 1.0
 
 
 class BuildError(RuntimeError):
@@ -80,7 +84,10 @@ def _build_and_load() -> None:
         raise BuildError("cannot build the twinflow CPU Adam kernel:\n  - " + "\n  - ".join(problems))
     from torch.utils import cpp_extension
 
-    log.info("building the twinflow CPU Adam kernel (first use only; cached afterwards)")
+    log.info("loading the twinflow CPU Adam kernel (compiled on first use, cached afterwards)")
+    notice = threading.Timer(_BUILD_NOTICE_AFTER_S, _print_build_notice)
+    notice.daemon = True
+    notice.start()
     # Seen on one host: built through the `c++` name, the library came out
     # without libstdc++ and every C++ exception (each argument check) crashed
     # the process. Naming g++ and libstdc++ explicitly avoids that.
@@ -102,10 +109,21 @@ def _build_and_load() -> None:
             "compiler with OpenMP (g++ >= 9), ninja, and the Python headers."
         ) from exc
     finally:
+        notice.cancel()
         if saved_cxx is None:
             del os.environ["CXX"]
         else:
             os.environ["CXX"] = saved_cxx
+
+
+def _print_build_notice() -> None:
+    """One visible line while the kernel compiles (library logging is often not configured)."""
+    where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+    print(
+        f"twinflow: compiling the CPU Adam kernel (first use only, about 15 s; cached under {where})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def load() -> None:

@@ -135,6 +135,7 @@ class HostPipeline:
         device: torch.device,
         num_threads: int | None,
     ) -> None:
+        ops.load()  # build the kernel now, in the caller's thread: a BuildError surfaces here, as itself
         self.params = params
         self.group_of = group_of
         self.num_threads = num_threads
@@ -341,6 +342,8 @@ class HostPipeline:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, ops.BuildError):  # its message names the missing tool and the fix
+                raise error
             raise RuntimeError("TwinFlowAdam's CPU worker failed") from error
 
     # ---------------------------------------------------------- worker side

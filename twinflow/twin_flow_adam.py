@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from twinflow import tune
+from twinflow import ops, tune
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_hyperparams
 from twinflow.partition import Segment, check_placement, check_ratio, split
 from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
@@ -68,7 +68,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,  # torch.optim.AdamW's default
         adamw_mode: bool = True,
         bias_correction: bool = True,
         ratio: float | str = 0.4,
@@ -122,6 +122,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._probe = tune.IterationProbe(self.device) if self.auto_ratio else None
         if not self.auto_ratio:
             self._build_state()
+        elif self._params:
+            ops.load()  # 'auto' probes the kernel at the first step: build it now, outside any timed step
 
     # ----------------------------------------------------------------- set-up
     def _check_params(self) -> None:
@@ -637,8 +639,16 @@ class TwinFlowAdam(torch.optim.Optimizer):
         id_to_index = {pid: i for i, pid in enumerate(pid for g in groups for pid in g["params"])}
         loaded: dict[int, dict[str, torch.Tensor]] = {}
         for pid, entry in state_dict["state"].items():
+            if pid not in id_to_index:
+                raise ValueError(f"state dict has state for parameter {pid!r}, which none of its param groups lists")
             i = id_to_index[pid]
             p = self._locals[i]
+            missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]
+            if missing:
+                raise ValueError(
+                    f"state of parameter {i}: no {missing[0]!r} entry (an Adam state has step, exp_avg and "
+                    "exp_avg_sq); the state dict is incomplete or not from an Adam-family optimizer"
+                )
             for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
                 if entry[key].numel() != p.numel():
                     raise ValueError(
