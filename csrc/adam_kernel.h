@@ -72,8 +72,12 @@ void step_range(const AdamSpan& s, int64_t begin, int64_t end) {
     }
     step_lanes<V, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
   }
+  // The leftover elements, one at a time, with the same operations as the
+  // vector lanes (fused where V's fmadd is fused), so each element's result does
+  // not depend on whether it landed in the vector loop or here.
+  using Tail = VecScalarOf<V::kFusedMultiplyAdd>;
   for (; i < end; ++i) {
-    step_lanes<VecScalar, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
+    step_lanes<Tail, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
   }
   if constexpr (!std::is_same_v<O, no_out_t>) {
     V::fence_streams();  // order the streaming stores before whoever reads the copy next

@@ -12,6 +12,13 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #endif
+// No contraction of a * b + c into FMA behind our back: the kernel fuses exactly
+// where it calls fmadd, in its vector lanes and its scalar tail alike.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 namespace twinflow {
 namespace avx2 {

@@ -6,6 +6,7 @@
 struct VecAvx2 {
   using reg = __m256;
   static constexpr int kWidth = 8;
+  static constexpr bool kFusedMultiplyAdd = true;  // fmadd is one vfmadd: a single rounding
 
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }

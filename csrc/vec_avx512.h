@@ -6,6 +6,7 @@
 struct VecAvx512 {
   using reg = __m512;
   static constexpr int kWidth = 16;
+  static constexpr bool kFusedMultiplyAdd = true;  // fmadd is one vfmadd: a single rounding
 
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }

@@ -1,22 +1,32 @@
 // One-lane "vector": the scalar path, and the tail of every vector path.
 // Included inside an ISA namespace, so each translation unit owns its copy.
+//
+// A vector path's tail must round exactly like its vector lanes: which elements
+// fall in a tail depends on the thread split and on how tensors are grouped into
+// calls, and results must not. So whether fmadd is fused is a property of the
+// instantiation (each vector type's kFusedMultiplyAdd picks its tail type), not
+// a preprocessor guess: g++ does not define __FMA__ under `#pragma GCC target`.
+// Every kernel translation unit also turns -ffp-contract off, so the compiler
+// cannot fuse a multiply and an add on its own (or pick which product to fuse).
 #pragma once
 
-struct VecScalar {
+template <bool kFused>
+struct VecScalarOf {
   using reg = float;
   static constexpr int kWidth = 1;
+  static constexpr bool kFusedMultiplyAdd = kFused;
 
   static reg set1(float x) { return x; }
   static reg add(reg a, reg b) { return a + b; }
   static reg mul(reg a, reg b) { return a * b; }
-  // Fused where the path has FMA, so a vector path's scalar tail rounds exactly
-  // like its vector lanes and results do not depend on the thread split.
+  // a * b + c: one rounding (like vfmadd) when fused, else two.
   static reg fmadd(reg a, reg b, reg c) {
-#if defined(__FMA__)
-    return __builtin_fmaf(a, b, c);
-#else
-    return a * b + c;
-#endif
+    if constexpr (kFused) {
+      return __builtin_fmaf(a, b, c);  // inlined as vfmadd*ss under the path's target
+    } else {
+      const float prod = a * b;  // its own statement: not contracted (see the translation units)
+      return prod + c;
+    }
   }
   static reg div(reg a, reg b) { return a / b; }
   static reg sqrt(reg a) { return __builtin_sqrtf(a); }
@@ -69,7 +79,7 @@ struct VecScalar {
     const uint32_t abs = u & 0x7FFFFFFFu;
     uint32_t h;
     if (abs > 0x7F800000u) {
-      h = 0x7E00u;
+      h = 0x7E00u | ((abs >> 13) & 0x3FFu);  // quiet NaN, top payload bits kept (as vcvtps2ph does)
     } else if (abs >= 0x477FF000u) {  // rounds to >= 65520: inf
       h = 0x7C00u;
     } else if (abs >= 0x38800000u) {  // normal half range
@@ -89,3 +99,7 @@ struct VecScalar {
     p->bits = static_cast<uint16_t>(sign | h);
   }
 };
+
+// The scalar path: plain multiply then add, portable to CPUs without FMA (where
+// a fused multiply-add would be a slow software fmaf) and the same on every CPU.
+using VecScalar = VecScalarOf<false>;
