@@ -270,8 +270,10 @@ def test_released_gradients_lower_gpu_memory() -> None:
     x = torch.randn(1, 1 << 20, device="cuda").bfloat16()
     model(x).float().sum().backward()
     torch.cuda.synchronize()
-    assert all(p.grad is None for p in model.parameters())
-    assert opt.released_grad_bytes == sum(p.numel() * 2 for p in model.parameters())
+    # Every gradient but one goes: the witness stays so that an outside clip after backward is caught.
+    kept = [p for p in model.parameters() if p.grad is not None]
+    assert len(kept) == 1
+    assert opt.released_grad_bytes == sum(p.numel() * 2 for p in model.parameters()) - kept[0].numel() * 2
     opt.step()
     opt.synchronize()
 

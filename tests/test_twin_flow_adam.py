@@ -74,8 +74,8 @@ def test_matches_adamw(device: str, ratio: float, placement: str) -> None:
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     other = TwinFlowAdam(groups(ours), lr=1.0, ratio=1.0 - ratio, placement="last", chunk_bytes=4096)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(other, lam)  # before load_state_dict, as torch.optim requires
     other.load_state_dict(torch.load(buf, weights_only=True))
-    sched2 = torch.optim.lr_scheduler.LambdaLR(other, lam)
     sched2.load_state_dict(sched.state_dict())
     assert run(ours, other, sched2, 15, device, 2) == pytest.approx(
         run(ref, ref_opt, ref_sched, 15, device, 2), rel=1e-5

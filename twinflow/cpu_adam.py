@@ -82,8 +82,12 @@ class CPUAdam(torch.optim.Optimizer):
         if self.param_groups:
             ops.load()  # build the kernel now: a missing compiler is reported here, not at the first step
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "num_threads": self.num_threads}  # a copy steps too
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # State dicts from torch.optim.AdamW/Adam lack our group keys.
+        state.setdefault("num_threads", getattr(self, "num_threads", None))
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self.defaults.items():

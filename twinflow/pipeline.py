@@ -185,6 +185,8 @@ class HostPipeline:
         # Set to a list to record host times (time.perf_counter) of every chunk and wait, for timeline plots.
         self.timeline: list[dict] | None = None
         self._ready_at: list[float] = [0.0] * len(self.chunks)
+        # Per parameter, its version counter right after this pipeline last wrote its weights.
+        self.written_version: dict[int, int] = {}
 
     # ------------------------------------------------------------ main side
     @property
@@ -422,6 +424,8 @@ class HostPipeline:
             kernel_end = time.perf_counter()
             torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
             chunk.uploaded.record(self.streams.h2d_stream)
+        for pc in pieces:  # the version our own write left: a later change means the weights moved outside
+            self.written_version[pc.param] = self.params[pc.param]._version
         if self.timeline is not None:
             elements = sum(pc.end - pc.start for pc in pieces)
             times = {"ready": self._ready_at[k], "picked": picked, "start": start, "kernel_end": kernel_end}

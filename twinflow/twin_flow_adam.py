@@ -79,7 +79,23 @@ class TwinFlowAdam(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         memory_margin: float = 0.1,
         memory_budget: int | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
+        # torch.optim.AdamW's flags, accepted at their defaults (configs often spell them out), refused otherwise.
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
+                     differentiable=differentiable)  # fmt: skip
+        for name, value in flags.items():
+            if value:
+                raise ValueError(
+                    f"{name}={value!r} is not supported by TwinFlowAdam: leave it unset (it picks its own kernels: "
+                    "twinflow's on the CPU, torch's fused Adam on the device; amsgrad, maximize, capturable and "
+                    "differentiable are not implemented)"
+                )
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         self.auto_ratio = ratio == "auto"
         self.ratio = None if self.auto_ratio else check_ratio(ratio)
@@ -94,15 +110,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.memory_margin = memory_margin
         self.memory_budget = memory_budget
-        self._params = [p for group in self.param_groups for p in group["params"]]
-        self._group_of = [gi for gi, group in enumerate(self.param_groups) for _ in group["params"]]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        # What this process holds of each parameter (a DTensor's local shard under FSDP2): all math uses these.
-        self._locals = [_local(p.detach()) for p in self._params]
-        self._mesh_group = next(
-            (p.device_mesh.get_group() for p in self._params if _DTensor is not None and isinstance(p, _DTensor)), None
-        )
-        self._check_params()
+        self._index_params()
+        self._taken_state: dict[int, dict[str, torch.Tensor]] | None = None
+        self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
         self.device = self._locals[0].device if self._params else torch.device("cpu")
         self._steps = [0] * len(self._params)
         self.sync_gradients = True
@@ -113,6 +123,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._attach_options: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
+        self._grad_version: dict[int, int] = {}  # under attach(): each gradient's version when backward ended
+        self._witness: int | None = None  # under attach(): a gradient kept and copied (see _install_hooks)
+        self._witness_grad: torch.Tensor | None = None
         self._hook_norms: list[torch.Tensor] = []
         self._clip_coef: torch.Tensor | None = None  # the multiplier every gradient of this step gets
         self._unscale: float | None = None  # loss scaling: 1 / scale, set by unscale_()
@@ -126,6 +139,55 @@ class TwinFlowAdam(torch.optim.Optimizer):
             ops.load()  # 'auto' probes the kernel at the first step: build it now, outside any timed step
 
     # ----------------------------------------------------------------- set-up
+    def _index_params(self) -> None:
+        """Numbers the parameters of every group in order; a parameter listed twice is refused."""
+        self._params, self._group_of, self._index = [], [], {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in self._index:
+                    raise ValueError(
+                        f"parameter {self._index[id(p)]} (shape {tuple(p.shape)}) is a duplicate: it appears "
+                        "twice in the param groups; list each parameter once (torch.optim would step it twice)"
+                    )
+                self._index[id(p)] = len(self._params)
+                self._params.append(p)
+                self._group_of.append(gi)
+        # What this process holds of each parameter (a DTensor's local shard under FSDP2): all math uses these.
+        self._locals = [_local(p.detach()) for p in self._params]
+        self._mesh_group = next(
+            (p.device_mesh.get_group() for p in self._params if _DTensor is not None and isinstance(p, _DTensor)), None
+        )
+        self._check_params()
+        self._plan_stale = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch.optim's; the new parameters join the split at the next step (the state so far is kept)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "_params"):  # torch's __init__ adds the first groups before our state exists
+            self._plan_stale = True
+
+    def _needs_replan(self) -> bool:
+        """Groups were added, or a parameter frozen when the split was made now takes gradients."""
+        return self._plan_stale or any(p.requires_grad and i not in self._planned for i, p in enumerate(self._params))
+
+    def _replan(self) -> None:
+        """Rebuilds the split over the current parameters, carrying every stepped parameter's state across."""
+        self.synchronize()
+        kept = {self._params[i]: entry for i, entry in self._export_state().items()}
+        steps = {self._params[i]: n for i, n in enumerate(self._steps)}
+        model = self._model
+        if model is not None:
+            self.detach()
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+        self._index_params()
+        self._steps = [steps.get(p, 0) for p in self._params]
+        self._build_state()
+        self._import_state({self._index[id(p)]: entry for p, entry in kept.items()})
+        if model is not None:
+            self.attach(model, **self._attach_options)
+
     def _check_params(self) -> None:
         devices = sorted({str(p.device) for p in self._params})
         if len(devices) > 1:
@@ -140,7 +202,12 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
 
     def _build_state(self) -> None:
-        segments = split([p.numel() for p in self._locals], self.ratio, self.placement)
+        # Frozen parameters take no part (no state, no hooks): with LoRA most of the model is frozen.
+        self._planned = {i for i, p in enumerate(self._params) if p.requires_grad}
+        numels = [p.numel() if i in self._planned else 0 for i, p in enumerate(self._locals)]
+        segments = split(numels, self.ratio, self.placement)
+        # Per parameter, its version counter right after the optimizer last wrote it (see _refresh_moved_masters).
+        self._written = [p._version for p in self._locals]
         self._segments_of: list[list[_SegmentState]] = [[] for _ in self._params]
         self._cpu: list[_SegmentState] = []
         self._dev: list[_SegmentState] = []
@@ -257,8 +324,19 @@ class TwinFlowAdam(torch.optim.Optimizer):
         model, pipeline = self._model, self._pipeline
         if pipeline is None:
             return
-        for i in pipeline.pieces_of:
-            self._handles.append(self._params[i].register_post_accumulate_grad_hook(self._on_grad))
+        self._grad_version = {}
+        trainable = sorted(i for i in self._planned if self._params[i].requires_grad)
+        # The witness: one gradient kept on the device (not released) and copied when backward ends, so that
+        # a change made to the gradients afterwards (an outside clip_grad_norm_) shows in its values, and a
+        # multiplication by exactly 1 (Trainer's logged norm with max_norm=inf) is told apart from a clip.
+        kept = [i for i in trainable if i not in self._fully_cpu] or trainable
+        large = [i for i in kept if self._locals[i].numel() >= 1024]  # not a bias, whose gradient may be 0
+        sizes = {i: self._locals[i].numel() for i in kept}
+        self._witness = min(large, key=sizes.get) if large else (max(kept, key=sizes.get) if kept else None)
+        self._witness_grad = None
+        for i in trainable:
+            hook = _OnGrad(self) if i in pipeline.pieces_of else _NoteGrad(self)
+            self._handles.append(self._params[i].register_post_accumulate_grad_hook(hook))
         # A module's pre-hook waits for its own parameters and its direct children's: modules such as
         # nn.MultiheadAttention read a child's weight without calling the child, and containers
         # (ParameterList) have no forward of their own. Coverage is counted per parameter.
@@ -279,7 +357,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if uncovered:
             log.warning("%d CPU-stepped parameters belong to no module of the attached model; step() waits "
                         "for them", len(uncovered))  # fmt: skip
-        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
+        self._handles.append(model.register_forward_pre_hook(_ReplanIfNeeded(self)))
+        self._handles.append(model.register_state_dict_pre_hook(_Synchronize(self)))
+        self._handles.append(model.register_load_state_dict_pre_hook(_Synchronize(self)))
 
     def detach(self) -> None:
         """Removes the hooks of ``attach()``; steps are plain again."""
@@ -299,16 +379,19 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: the gradient of a CPU-stepped parameter is final; send it down."""
-        if not self.sync_gradients or p.grad is None:
+        if p.grad is None:
             return
         i = self._index[id(p)]
+        self._note_grad(i, p.grad)
+        if not self.sync_gradients:
+            return
         pipeline = self._pipeline
         if pipeline.phase != "open":
             self._open_step(self._step_args() if self._attach_options["eager"] else None)
         grad = _local(p.grad)
         if not self._attach_options["eager"]:
             self._hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
-        release = self._attach_options["release_grads"] and i in self._fully_cpu
+        release = self._attach_options["release_grads"] and i in self._fully_cpu and i != self._witness
         pipeline.download(i, grad)
         self._hooked.add(i)
         if release:
@@ -317,8 +400,63 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def _open_step(self, args: StepArgs | None) -> None:
         """A step's first gradient is about to go down (`args`: eager, the worker may start at once)."""
-        self._pipeline.open(args)
+        self._pipeline.open(args)  # waits for the last step's writes: the masters are settled
+        self._refresh_moved_masters()
         self._hook_norms, self._hooked, self.released_grad_bytes = [], set(), 0
+
+    @torch.no_grad()
+    def _refresh_moved_masters(self) -> None:
+        """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps).
+
+        A parameter's version counter moves with every in-place write; after its own writes the optimizer notes
+        the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
+        """
+        written = self._pipeline.written_version if self._pipeline is not None else {}
+        for i, p in enumerate(self._locals):
+            if p._version > max(self._written[i], written.get(i, -1)):
+                flat = p.view(-1)
+                for st in self._segments_of[i]:
+                    piece = flat[st.seg.start : st.seg.end]
+                    if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
+                        st.master.copy_(piece)
+                self._written[i] = p._version
+
+    def _note_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Backward has finished parameter i's gradient (hook): note its version, copy the witness."""
+        self._grad_version[i] = grad._version
+        if i == self._witness:
+            self._witness_grad = grad.detach().clone()
+
+    def _check_grads_untouched(self, with_grad: list[int]) -> None:
+        """Under attach(): gradients changed after backward (an outside clip) cannot reach what already streamed."""
+        changed = [
+            i
+            for i in with_grad
+            if self._params[i].grad is not None
+            and i in self._grad_version
+            and self._params[i].grad._version != self._grad_version[i]
+        ]
+        if not changed:
+            return
+        w, copy = self._witness, self._witness_grad
+        if w in changed and copy is not None and torch.equal(_local(self._params[w].grad), copy):
+            # Written with the same values: clip_grad_norm_ multiplied by 1 (Hugging Face Trainer's logged norm,
+            # max_norm=inf). Exact only if the clipper saw every gradient; released ones it could not see.
+            if self.released_grad_bytes == 0:
+                return
+            raise RuntimeError(
+                "gradients were passed through an outside clip_grad_norm_ after backward while TwinFlowAdam is "
+                "attached and released the CPU share's gradients, so the norm it took left them out. Use "
+                "opt.attach(model, release_grads=False) with TwinFlowAdam(max_grad_norm=...), and let the "
+                "training loop not clip (Hugging Face Trainer: max_grad_norm=0 in TrainingArguments)"
+            )
+        raise RuntimeError(
+            f"gradient of parameter {changed[0]} was changed after backward (by torch.nn.utils.clip_grad_norm_, "
+            "or an unscale?) while TwinFlowAdam is attached: the CPU share's gradients left during backward, so "
+            "the change cannot reach them and the step would be silently off. Clip with "
+            "TwinFlowAdam(max_grad_norm=...) (with Hugging Face Trainer, set max_grad_norm=0 in "
+            "TrainingArguments so it does not clip again), or do not attach()"
+        )
 
     def synchronize(self) -> None:
         """Waits until every weight of the last step is back on the device (the current stream sees it)."""
@@ -451,10 +589,21 @@ class TwinFlowAdam(torch.optim.Optimizer):
         args = self._step_args()  # checks the hyper-parameters before anything moves
         if self.ratio is None:
             self._choose_ratio()
+        if not self._step_open() and self._needs_replan():
+            self._replan()
+            args = self._step_args()
         pipeline = self._pipeline
-        if pipeline is not None and pipeline.phase != "open":
+        if pipeline is None:
+            self._refresh_moved_masters()
+        elif pipeline.phase != "open":
             self._open_step(None)
         with_grad = self._with_grad()
+        unplanned = [i for i in with_grad if i not in self._planned]
+        if unplanned:  # only reachable under attach(): a frozen parameter was unfrozen during this iteration
+            raise RuntimeError(
+                f"parameter {unplanned[0]} has a gradient but was frozen when TwinFlowAdam split the parameters; "
+                "unfreeze parameters before the forward pass (the split is rebuilt there)"
+            )
         for i in with_grad:
             g = self._params[i].grad
             if g is not None and g.is_sparse:
@@ -465,6 +614,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             for i in with_grad:
                 if i in pipeline.pieces_of and not pipeline.downloaded(i):
                     pipeline.download(i, _local(self._params[i].grad))
+        if self._model is not None:
+            self._check_grads_untouched(with_grad)
         if self._overflow(with_grad):
             log.warning("inf/NaN gradient in an fp16 model: step skipped on both sides")
             self.skipped_steps += 1
@@ -485,7 +636,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 args.scale = self._cpu_scale()
             pipeline.seal(args)
         has_grad = set(with_grad)
-        self._step_device([st for st in self._dev if st.seg.index in has_grad], args.groups)
+        stepped = [st for st in self._dev if st.seg.index in has_grad]
+        self._step_device(stepped, args.groups)
+        for st in stepped:
+            self._written[st.seg.index] = self._locals[st.seg.index]._version
         for i in with_grad:
             self._steps[i] += 1
         if pipeline is not None:
@@ -496,7 +650,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._end_step()
         return loss
 
+    def _step_open(self) -> bool:
+        return self._pipeline is not None and self._pipeline.phase == "open"
+
     def _end_step(self) -> None:
+        self._grad_version, self._witness_grad = {}, None
         self._clip_coef = None
         self._unscale = None
         self._clipped = False
@@ -593,40 +751,71 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 "call step() first, then save or load"
             )
 
+    def _entry(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter i's state in torch.optim's layout (+ ``master`` for low precision).
+
+        Views of the live buffers where the parameter is on one side whole; a copy for the one cut in two.
+        """
+        p, states = self._locals[i], self._segments_of[i]
+        entry = {"step": torch.tensor(float(self._steps[i]))}
+        keys = ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
+        for key in keys:
+            if len(states) == 1:
+                entry[key] = getattr(states[0], key).view(p.shape)
+            else:
+                full = torch.empty(p.numel(), dtype=torch.float32)
+                for st in states:
+                    full[st.seg.start : st.seg.end] = getattr(st, key)
+                entry[key] = full.view(p.shape)
+        return entry
+
+    def _export_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every stepped parameter's entry, by index."""
+        return {i: self._entry(i) for i in range(len(self._params)) if self._steps[i] > 0 and self._segments_of[i]}
+
+    @property
+    def state(self) -> dict:
+        """Per-parameter state as torch.optim keeps it (``step``, ``exp_avg``, ``exp_avg_sq``, ``master``).
+
+        Derived on each read from the optimizer's own buffers, after the CPU share's last step has finished.
+        """
+        if getattr(self, "_segments_of", None) is not None and not (
+            self._pipeline is not None and self._pipeline.phase == "open"
+        ):
+            self.synchronize()
+            self._state_map.clear()
+            self._state_map.update({self._params[i]: entry for i, entry in self._export_state().items()})
+        return self._state_map
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self._state_map = value  # torch's __init__, load_state_dict and __setstate__ assign it
+
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim layout: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (+ ``master``), on the CPU."""
+        """torch.optim's ``state_dict`` (its hooks run) after the CPU share's last step has finished.
+
+        Layout: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (+ ``master`` for bf16/fp16 parameters),
+        keyed by parameter index; it loads under another ratio or placement and into ``torch.optim.AdamW``.
+        """
         self._require_state()
-        self.synchronize()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, p in enumerate(self._locals):
-            if self._steps[i] == 0:
-                continue
-            full = {key: torch.empty(p.numel(), dtype=torch.float32) for key in ("exp_avg", "exp_avg_sq", "master")}
-            for st in self._segments_of[i]:
-                s, e = st.seg.start, st.seg.end
-                full["exp_avg"][s:e] = st.exp_avg
-                full["exp_avg_sq"][s:e] = st.exp_avg_sq
-                full["master"][s:e] = st.master
-            entry = {"step": torch.tensor(float(self._steps[i]))}
-            entry.update({key: full[key].view(p.shape) for key in ("exp_avg", "exp_avg_sq")})
-            if p.dtype != torch.float32:
-                entry["master"] = full["master"].view(p.shape)
-            state[i] = entry
-        groups, index = [], 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a TwinFlowAdam, CPUAdam or torch.optim.Adam(W) state dict, under any ratio or placement.
-
-        Everything is checked before anything changes.
+        """torch.optim's ``load_state_dict`` (its hooks run): a TwinFlowAdam, CPUAdam or torch Adam(W) state dict,
+        under any ratio or placement. Everything is checked before anything changes.
         """
         self._require_state()
         self.synchronize()
+        # Ours runs after every user pre-hook (they may rewrite the state dict); the tensors go straight into our
+        # buffers instead of through torch's per-parameter cast, which would put the CPU share's state on the GPU.
+        handle = self.register_load_state_dict_pre_hook(_take_state)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+
+    def _validated(self, state_dict: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+        """The state dict's per-parameter entries by our index, checked (raises before anything changes)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(groups)} param groups; this optimizer has {len(self.param_groups)}")
@@ -636,7 +825,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
                     f"param group {gi}: state dict has {len(saved['params'])} parameters, optimizer has "
                     f"{len(ours['params'])}"
                 )
-        id_to_index = {pid: i for i, pid in enumerate(pid for g in groups for pid in g["params"])}
+        ours = [self._index[id(p)] for group in self.param_groups for p in group["params"]]
+        id_to_index = dict(zip((pid for g in groups for pid in g["params"]), ours))
         loaded: dict[int, dict[str, torch.Tensor]] = {}
         for pid, entry in state_dict["state"].items():
             if pid not in id_to_index:
@@ -655,30 +845,131 @@ class TwinFlowAdam(torch.optim.Optimizer):
                         f"state of parameter {i}: {key} has {entry[key].numel()} elements, expected {p.numel()}"
                     )
             loaded[i] = entry
-        with torch.no_grad():
-            for gi, saved in enumerate(groups):
-                for key, value in saved.items():
-                    if key != "params" and key in self.defaults:
-                        self.param_groups[gi][key] = value
-            for i, p in enumerate(self._locals):
-                entry = loaded.get(i)
-                self._steps[i] = int(entry["step"]) if entry is not None else 0
-                if entry is None:
-                    flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
-                else:
-                    flat = {k: entry[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
-                    flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
-                for st in self._segments_of[i]:
-                    s, e = st.seg.start, st.seg.end
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        target = getattr(st, key)
-                        target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
-                    if st.master.data_ptr() != p.data_ptr() + s * p.element_size():
-                        st.master.copy_(flat["master"][s:e])
-                    if st.device_step is not None:
-                        st.device_step.fill_(self._steps[i])
-                if entry is not None and "master" in entry:  # the model's weights follow the masters
-                    p.copy_(entry["master"].view(p.shape))
+        return loaded
+
+    @torch.no_grad()
+    def _import_state(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master."""
+        for i, p in enumerate(self._locals):
+            entry = loaded.get(i)
+            self._steps[i] = int(entry["step"]) if entry is not None else 0
+            if entry is None:
+                flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
+            else:
+                flat = {k: entry[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
+                flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
+            for st in self._segments_of[i]:
+                s, e = st.seg.start, st.seg.end
+                for key in ("exp_avg", "exp_avg_sq"):
+                    target = getattr(st, key)
+                    target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
+                if st.master.data_ptr() != p.data_ptr() + s * p.element_size():
+                    st.master.copy_(flat["master"][s:e])
+                if st.device_step is not None:
+                    st.device_step.fill_(self._steps[i])
+            if entry is not None and "master" in entry:  # the model's weights follow the masters
+                p.copy_(entry["master"].view(p.shape))
+            self._written[i] = p._version
+
+    # ------------------------------------------------------ copies, pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy needs: settings, param groups and each stepped parameter's state (not the attachment)."""
+        if getattr(self, "_segments_of", None) is None:  # ratio='auto' not decided yet: nothing stepped
+            state: dict[int, dict[str, torch.Tensor]] = {}
+        else:
+            self.synchronize()
+            state = {i: {k: v.clone() for k, v in e.items()} for i, e in self._export_state().items()}
+        settings = {key: getattr(self, key) for key in _SETTINGS}
+        return {
+            "defaults": self.defaults,
+            "param_groups": self.param_groups,
+            "twinflow": {"settings": settings, "state": state, "skipped_steps": self.skipped_steps},
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ours = state.get("twinflow")
+        if ours is None:  # torch's load_state_dict passes the loaded groups this way
+            super().__setstate__(state)
+            for group in self.param_groups:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+            return
+        settings = dict(ours["settings"])
+        settings.pop("auto_ratio")
+        decided = settings.pop("ratio")
+        ratio = "auto" if decided is None else decided
+        d = state["defaults"]
+        TwinFlowAdam.__init__(
+            self, state["param_groups"], lr=d["lr"], betas=d["betas"], eps=d["eps"],
+            weight_decay=d["weight_decay"], adamw_mode=d["adamw_mode"], bias_correction=d["bias_correction"],
+            ratio=ratio, **settings,
+        )  # fmt: skip
+        self.skipped_steps = ours["skipped_steps"]
+        if ours["state"]:
+            self._import_state(ours["state"])
+
+
+_SETTINGS = (
+    "auto_ratio", "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "memory_margin",
+    "memory_budget",
+)  # fmt: skip
+
+
+def _take_state(opt: TwinFlowAdam, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The last load_state_dict pre-hook: checks the entries, puts them into the buffers once torch has taken
+    the param groups (a post-hook), and hands torch the state dict without them."""
+    opt._taken_state = opt._validated(state_dict)
+    return {**state_dict, "state": {}}
+
+
+def _put_taken_state(opt: TwinFlowAdam) -> None:
+    """The first load_state_dict post-hook: the entries `_take_state` checked go into the buffers."""
+    taken, opt._taken_state = opt._taken_state, None
+    if taken is not None:
+        opt._import_state(taken)
+
+
+class _OptimizerHook:
+    """A hook object holding the optimizer. A copy of the model (deepcopy, pickle) gets an inert one: the copy
+    is not attached, and the optimizer's threads and locks cannot be copied."""
+
+    def __init__(self, opt: TwinFlowAdam) -> None:
+        self.opt = opt
+
+    def __deepcopy__(self, memo: dict) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+
+class _Inert:
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _OnGrad(_OptimizerHook):
+    def __call__(self, p: torch.Tensor) -> None:
+        self.opt._on_grad(p)
+
+
+class _NoteGrad(_OptimizerHook):
+    """A device-stepped parameter's gradient is final: note its version (a later in-place change shows)."""
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.opt._note_grad(self.opt._index[id(p)], p.grad)
+
+
+class _Synchronize(_OptimizerHook):
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.opt.synchronize()
+
+
+class _ReplanIfNeeded(_OptimizerHook):
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if self.opt.ratio is not None and not self.opt._step_open() and self.opt._needs_replan():
+            self.opt._replan()
 
 
 class _WaitFor:
@@ -686,6 +977,12 @@ class _WaitFor:
 
     def __init__(self, pipeline: HostPipeline, chunk_ids: list[int]) -> None:
         self.pipeline, self.chunk_ids = pipeline, chunk_ids
+
+    def __deepcopy__(self, memo: dict) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         self.pipeline.wait(self.chunk_ids)
