@@ -240,7 +240,7 @@ def train_against_master_reference(chunk_bytes: int, steps: int, busy_gpu: bool,
             assert_within_bf16_rounding(s, m.detach())
     state = opt.state_dict()["state"]
     for i, m in enumerate(masters):
-        torch.testing.assert_close(state[i]["master"].reshape(-1), m.detach().cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state[i]["master"].reshape(-1).cpu(), m.detach().cpu(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda
