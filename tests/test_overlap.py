@@ -404,3 +404,15 @@ def test_in_place_gradient_writes_wait_for_pending_downloads(monkeypatch: pytest
         opt.synchronize()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in_place"])
+def test_attach_refuses_a_compiled_model(how: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    if how == "wrapper":
+        model = torch.compile(model)
+    else:
+        model.compile()
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, weight_decay=0.0)
+    with pytest.raises(RuntimeError, match="torch.compile'd model"):
+        opt.attach(model)

@@ -297,6 +297,16 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """
         if self._model is not None:
             raise RuntimeError("TwinFlowAdam.attach() was already called; call detach() first")
+        if (
+            isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+            or getattr(model, "_compiled_call_impl", None) is not None
+        ):
+            # The per-module waits have not been shown to hold inside a compiled graph (a race was seen).
+            raise RuntimeError(
+                "TwinFlowAdam.attach() got a torch.compile'd model: its per-module waits are not yet known to "
+                "hold inside a compiled graph, so attaching to one is not supported yet. Use TwinFlowAdam without "
+                "attach() for a compiled model (step() then returns with every weight back)"
+            )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if torch.distributed.get_world_size() > 1:
                 raise RuntimeError(
