@@ -142,11 +142,19 @@ def test_matches_adamw(ratio: float, placement: str, kwargs: dict) -> None:
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
 def test_adam_mode_matches_adam(ratio: float, placement: str) -> None:
     """adamw_mode=False is torch.optim.Adam's coupled (L2) weight decay."""
+    assert_trains_like(
+        lambda m: tf(m.parameters(), ratio, placement, weight_decay=0.1, adamw_mode=False),
+        lambda m: torch.optim.Adam(m.parameters(), weight_decay=0.1),
+    )
+
+
+def assert_trains_like(ours_opt, ref_opt, steps: int = 5) -> None:
+    """The same model and batches under TwinFlowAdam (``ours_opt(model)``) and a torch optimizer: same weights."""
     ours = make_model()
     ref = twin(ours)
-    data = batches(5)
-    train(ours, tf(ours.parameters(), ratio, placement, weight_decay=0.1, adamw_mode=False), data)
-    train(ref, torch.optim.Adam(ref.parameters(), weight_decay=0.1), data)
+    data = batches(steps)
+    train(ours, ours_opt(ours), data)
+    train(ref, ref_opt(ref), data)
     assert_weights_close(ours, ref)
 
 
@@ -160,12 +168,10 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
 def test_param_groups_match_adamw(ratio: float, placement: str) -> None:
-    ours = make_model()
-    ref = twin(ours)
-    data = batches(5)
-    train(ours, tf(param_groups(ours), ratio, placement, lr=1e-3, weight_decay=0.01), data)
-    train(ref, torch.optim.AdamW(param_groups(ref), lr=1e-3, weight_decay=0.01), data)
-    assert_weights_close(ours, ref)
+    assert_trains_like(
+        lambda m: tf(param_groups(m), ratio, placement, lr=1e-3, weight_decay=0.01),
+        lambda m: torch.optim.AdamW(param_groups(m), lr=1e-3, weight_decay=0.01),
+    )
 
 
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
