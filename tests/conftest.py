@@ -29,3 +29,45 @@ def simd(request: pytest.FixtureRequest) -> str:
     if request.param not in simd_paths():
         pytest.skip(f"this CPU lacks {request.param}")
     return request.param
+
+
+@pytest.fixture
+def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU worker steps a chunk only once the main thread has waited for it (or for a later one).
+
+    A weight read before the wait that covers it is therefore always the old
+    one, never a race that a fast worker happens to win: a missing wait fails
+    every run, with no sleeps. Waits come from ``HostPipeline.wait`` (the
+    forward pre-hooks, and ``finish()``), so code that waits correctly runs
+    as before, only later.
+    """
+    from twinflow.pipeline import HostPipeline
+
+    original_open, original_wait = HostPipeline.open, HostPipeline.wait
+
+    def open_(self, args=None) -> None:
+        original_open(self, args)
+        with self._cond:
+            self._asked = -1  # no chunk of the new step waited for yet
+
+    def wait(self, chunk_ids: list[int]) -> None:
+        if self.phase == "sealed" and chunk_ids:
+            with self._cond:
+                self._asked = max(getattr(self, "_asked", -1), max(chunk_ids))
+                self._cond.notify_all()
+        original_wait(self, chunk_ids)
+
+    def pick(self) -> int:  # called with the lock held, once a chunk is ready; lowest waited-for first
+        while True:
+            if self._stop and not (self._ready and self._args is not None):
+                raise SystemExit  # close() while nothing is left to run: the thread ends quietly
+            asked = [k for k in self._ready if k <= getattr(self, "_asked", -1)]
+            if self._args is not None and (asked or self._stop):
+                k = min(asked or self._ready)
+                self._ready.remove(k)
+                return k
+            self._cond.wait()
+
+    monkeypatch.setattr(HostPipeline, "open", open_)
+    monkeypatch.setattr(HostPipeline, "wait", wait)
+    monkeypatch.setattr(HostPipeline, "_pick", pick)

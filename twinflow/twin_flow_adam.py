@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -283,6 +284,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
           is about to use (a forward pre-hook per module that owns
           CPU-stepped parameters); parameters that no module of `model`
           owns are waited for at the end of ``step()``.
+        - Under ``torch.compile`` a wait is a graph break where one is due.
+          attach() makes torch.compile guard on module hooks (it sets
+          ``torch._dynamo.config.skip_nnmodule_hook_guards = False``) and
+          drops the graphs compiled before (``torch.compiler.reset()``).
 
         With gradient accumulation, run every backward but the last of a
         window inside ``with optimizer.no_sync():``. Under eager overlap the
@@ -297,16 +302,6 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """
         if self._model is not None:
             raise RuntimeError("TwinFlowAdam.attach() was already called; call detach() first")
-        if (
-            isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-            or getattr(model, "_compiled_call_impl", None) is not None
-        ):
-            # The per-module waits have not been shown to hold inside a compiled graph (a race was seen).
-            raise RuntimeError(
-                "TwinFlowAdam.attach() got a torch.compile'd model: its per-module waits are not yet known to "
-                "hold inside a compiled graph, so attaching to one is not supported yet. Use TwinFlowAdam without "
-                "attach() for a compiled model (step() then returns with every weight back)"
-            )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if torch.distributed.get_world_size() > 1:
                 raise RuntimeError(
@@ -370,6 +365,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._handles.append(model.register_forward_pre_hook(_ReplanIfNeeded(self)))
         self._handles.append(model.register_state_dict_pre_hook(_Synchronize(self)))
         self._handles.append(model.register_load_state_dict_pre_hook(_Synchronize(self)))
+        _make_compile_see_hooks()  # no compiled forward may run without these hooks
 
     def detach(self) -> None:
         """Removes the hooks of ``attach()``; steps are plain again."""
@@ -995,7 +991,32 @@ class _WaitFor:
         return (_Inert, ())
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        self.pipeline.wait(self.chunk_ids)
+        _wait(self.pipeline, self.chunk_ids)  # under torch.compile a graph break: the wait runs eagerly
+
+
+@torch.compiler.disable
+def _wait(pipeline: HostPipeline, chunk_ids: list[int]) -> None:
+    """Never traced: under torch.compile a graph break, then the wait, eagerly."""
+    pipeline.wait(chunk_ids)
+
+
+def _make_compile_see_hooks() -> None:
+    """Makes torch.compile guard on every module's hooks, so that no compiled forward runs without the waits.
+
+    By default dynamo keeps no guard on a module's empty hook dicts (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``): a forward traced for a module without hooks (this model before attach(), or
+    any other instance of its class, such as an AdamW reference or an evaluation copy, before or after) would
+    also run for the attached model, without its waits, and read weights the CPU is still writing. Graphs
+    compiled before this change have no such guard: they are dropped, and retraced at their next call.
+    """
+    compiled_before = "torch._dynamo" in sys.modules
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        log.info("TwinFlowAdam: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        if compiled_before:
+            torch.compiler.reset()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
