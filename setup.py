@@ -4,6 +4,7 @@ build environment: `TWINFLOW_BUILD_EXT=1 pip install --no-build-isolation .`
 """
 
 import os
+import re
 
 from setuptools import find_packages, setup
 
@@ -25,7 +26,7 @@ if os.environ.get("TWINFLOW_BUILD_EXT") == "1":
 
 setup(
     name="twinflow",
-    version="0.1.0",
+    version=re.search(r'__version__ = "(.+)"', open("twinflow/version.py", encoding="utf-8").read())[1],
     description="Adam with a configurable share of the optimizer step on the CPU (Twin-Flow offload)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

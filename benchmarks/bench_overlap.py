@@ -76,7 +76,8 @@ def run_system(spec: dict, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, losses, marks = [], [], []
     trace_step = spec.get("trace")
-    pipeline = getattr(opt, "_pipeline", None)
+    split = getattr(opt, "_split", None)
+    pipeline = split.pipeline if split is not None else None
     for step in range(args.warmup + args.steps):
         tokens = next(data)
         sync(device)
@@ -141,7 +142,7 @@ def run_system(spec: dict, args) -> dict:
         entry["ratio"] = opt.ratio
         if opt.auto_decision is not None:
             entry["auto_decision"] = opt.auto_decision
-        if opt._model is not None:
+        if opt._attachment is not None:
             opt.detach()
     del model, opt
     gc.collect()

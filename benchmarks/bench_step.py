@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow import TwinFlowAdam, ops  # noqa: E402
+from twinflow import TwinFlowAdam, device_side, ops  # noqa: E402
 
 
 def opt_shapes(layers: int = 32, hidden: int = 2560, ffn: int = 10240, vocab: int = 50272, positions: int = 2050):
@@ -43,10 +43,10 @@ def median_interleaved(fns: dict, rounds: int) -> dict:
 
 def staging_bandwidth(opt: TwinFlowAdam) -> dict:
     """The transfer path alone: every CPU-share gradient down into its chunk buffer, every weight back up."""
-    pipeline = opt._pipeline
+    pipeline = opt._split.pipeline
     streams = pipeline.streams
     pieces = [pc for chunk in pipeline.chunks for pc in chunk.pieces]
-    params = opt._params
+    params = opt._split.params
 
     def down() -> None:
         streams.after_compute()
@@ -82,8 +82,11 @@ def measure_ratio(params: list[torch.nn.Parameter], ratio: float, chunk_bytes: i
                            out_copies=[o])  # fmt: skip
 
         fns["cpu"] = cpu_kernel
-    if opt._dev:
-        fns["gpu"] = lambda: opt._step_device(opt._dev)
+    split = opt._split
+    if split.dev:  # the device side alone: every device-side segment, as step() launches it
+        args = opt._step_args()
+        grad_of = lambda i: split.params[i].grad  # noqa: E731
+        fns["gpu"] = lambda: device_side.step(split.dev, args.groups, split.group_of, split.locals, grad_of, None)
     t = median_interleaved(fns, rounds=rounds)
     bound = max(t.get("cpu", 0.0), t.get("gpu", 0.0))
     entry = {

@@ -104,7 +104,7 @@ def test_eager_overlap_gives_the_plain_losses(device: str, ratio: float, placeme
     """50 steps, fp32 masters (bf16 weights on CUDA): the same losses and weights, bit for bit."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     plain, opt_plain, over, opt_over = pair(device, dtype, ratio, placement, ckpt)
-    assert opt_over._attach_options["eager"]
+    assert opt_over._attachment.eager
     assert train(over, opt_over, 50, seed=1) == train(plain, opt_plain, 50, seed=1)
     assert_same_weights(over, plain, exact=True)
     assert opt_over.released_grad_bytes > 0
@@ -120,7 +120,7 @@ def test_clipped_overlap_matches_plain(device: str, clip_method: bool) -> None:
     if clip_method:  # the CPU must not step before the norm: eager off
         opt_over.detach()
         opt_over.attach(over, eager=False)
-    assert not opt_over._attach_options["eager"]
+    assert not opt_over._attachment.eager
     losses_over = train(over, opt_over, 30, seed=2, clip_method=clip_method)
     losses_plain = train(plain, opt_plain, 30, seed=2, clip_method=clip_method)
     assert losses_over == pytest.approx(losses_plain, rel=1e-5)
@@ -162,7 +162,7 @@ def test_released_gradients_are_gone_and_counted() -> None:
     model = make("cpu", torch.float32)
     opt = TwinFlowAdam(model.parameters(), ratio=0.5, placement="first", chunk_bytes=1024).attach(model)
     model(torch.randn(4, 12)).sum().backward()
-    fully_cpu = opt._fully_cpu
+    fully_cpu = opt._split.fully_cpu
     params = list(model.parameters())
     assert fully_cpu and all(params[i].grad is None for i in fully_cpu)
     assert all(p.grad is not None for i, p in enumerate(params) if i not in fully_cpu)
@@ -254,9 +254,9 @@ def test_race_forward_waits_for_uploaded_weights(placement: str) -> None:
 
 @pytest.mark.cuda
 def test_race_test_fails_without_the_forward_waits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinflow import twin_flow_adam
+    from twinflow import overlap
 
-    monkeypatch.setattr(twin_flow_adam._WaitFor, "__call__", lambda self, module, args: None)
+    monkeypatch.setattr(overlap._WaitFor, "__call__", lambda self, module, args: None)
     # Either the forward reads stale weights, or autograd sees a saved weight overwritten under it.
     with pytest.raises((AssertionError, RuntimeError), match="read other weights|modified by an inplace"):
         race(0.75, "first")
@@ -394,4 +394,3 @@ def test_in_place_gradient_writes_wait_for_pending_downloads(monkeypatch: pytest
         opt.synchronize()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
-

@@ -10,7 +10,10 @@ case runs at ratio 0 (all on the "device"), 0.37 (a tensor cut in two, CPU
 first or last) and 1 (all on the CPU); on a CPU-only machine the device side
 runs on the CPU. References are torch.optim.AdamW/Adam on fp32 copies of the
 same weights with the same gradients; weights are compared after a few steps
-within 1e-6 relative.
+within 1e-6 relative. The regression tests for weights changed outside the
+optimizer, an outside ``clip_grad_norm_`` and frozen parameters under
+``attach()`` also run with bf16 parameters, on the CPU and on CUDA
+(``-m cuda``), against AdamW on fp32 masters (``MasterAdamW``).
 """
 
 from __future__ import annotations
@@ -34,11 +37,26 @@ SPLIT_IDS = ["r0", "r0.37-first", "r0.37-last", "r1"]
 CPU_SPLITS = [(0.37, "first"), (0.37, "last"), (1.0, "first")]  # where something steps on the CPU side
 CPU_SPLIT_IDS = ["r0.37-first", "r0.37-last", "r1"]
 RTOL, ATOL = 1e-6, 1e-7  # fp32 weights after a few steps
+# The regression tests for weights changed outside the optimizer, for an outside clip_grad_norm_ and for frozen
+# parameters under attach() also run with bf16 parameters on CUDA (``-m cuda``), and on the CPU, where the same
+# logic (fp32 masters on both sides, rounded write-back) is checked without a GPU.
+DEVICE_DTYPES = [
+    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.cuda),
+]
+# bf16 parameters are compared through their fp32 masters (state_dict()'s "master") against a reference's. Both
+# step fp32 masters from the same bf16 gradients; they differ by fp32 rounding (~1e-7 relative a step) and, where
+# a master lies next to a bf16 rounding boundary, by a weight one bf16 ulp apart whose next gradients differ a
+# little. A bug is far larger: a stale master puts back weights of another model (differences ~0.1 and more), and
+# an unclipped step moves the masters by more than this tolerance (each clipping test asserts that, too).
+BF16_MASTER_RTOL, BF16_MASTER_ATOL = 1e-4, 1e-5
 
 
 # ------------------------------------------------------------------ helpers
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
-    """424 parameter elements in 8 tensors; ratio 0.37 cuts the second Linear's weight."""
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Sequential:
+    """424 parameter elements in 8 tensors; ratio 0.37 cuts the second Linear's weight. The same weights (up to
+    rounding to ``dtype``) on every device."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16),
@@ -47,7 +65,7 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Se
         torch.nn.LayerNorm(12),
         torch.nn.Linear(12, 4),
     )
-    return model.to(dtype)
+    return model.to(device, dtype)
 
 
 def twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -67,8 +85,8 @@ def batches(n: int, seed: int = 1, scales: list[float] | None = None) -> list[tu
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    dtype = next(model.parameters()).dtype
-    return F.mse_loss(model(x.to(dtype)).float(), y) * scale
+    p = next(model.parameters())
+    return F.mse_loss(model(x.to(p.device, p.dtype)).float(), y.to(p.device)) * scale
 
 
 def train(
@@ -108,11 +126,65 @@ def set_grads(params, seed: int, dtype: torch.dtype | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in params:
         g = torch.randn(p.shape, generator=gen)
-        p.grad = g.to(dtype or p.dtype)
+        p.grad = g.to(p.device, dtype or p.dtype)
 
 
 def names_of(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
+
+
+class MasterAdamW:
+    """The reference for bf16 parameters: torch.optim.AdamW on fp32 masters of the parameters, stepped from the
+    parameters' gradients and written back rounded, as TwinFlowAdam does on both sides. With fp32 parameters it
+    is torch.optim.AdamW, bit for bit. ``follow_weights()`` restarts the masters from the parameters (weights
+    loaded from outside), keeping moments and step counts, as AdamW would with fp32 weights."""
+
+    def __init__(self, params, **kwargs) -> None:
+        kwargs.setdefault("weight_decay", 0.01)
+        self.params = list(params)
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.adamw = torch.optim.AdamW(self.masters, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def follow_weights(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                m.copy_(p)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.adamw.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+def masters_of(opt: TwinFlowAdam | MasterAdamW) -> list[torch.Tensor]:
+    """What each parameter steps from, in fp32 on the CPU: a bf16 parameter's master (state_dict()'s "master"),
+    which the parameter must equal rounded; an fp32 parameter (or one never stepped) itself."""
+    if isinstance(opt, MasterAdamW):
+        return [m.detach().cpu() for m in opt.masters]
+    state = opt.state_dict()["state"]
+    params = [p for group in opt.param_groups for p in group["params"]]
+    masters = []
+    for i, p in enumerate(params):
+        master = state.get(i, {}).get("master")
+        if master is None:
+            masters.append(p.detach().float().cpu())
+            continue
+        assert torch.equal(p.detach().cpu(), master.cpu().to(p.dtype).view_as(p)), f"param {i} is not its master"
+        masters.append(master.float().cpu().view_as(p))
+    return masters
+
+
+def assert_masters_close(ours: TwinFlowAdam | MasterAdamW, ref: MasterAdamW, msg: str = "") -> None:
+    bf16 = any(p.dtype != torch.float32 for p in ref.params)
+    tol = (BF16_MASTER_RTOL, BF16_MASTER_ATOL) if bf16 else (RTOL, ATOL)
+    assert_weights_close(masters_of(ours), masters_of(ref), *tol, msg=msg)
 
 
 # -------------------------------------------------- numerics: OptimizerInfo inputs
@@ -566,42 +638,57 @@ def test_deepcopy_attached_model_leaves_training_alone(ratio: float, placement: 
 
 
 # ------------------------------------------------------------------ weights changed outside the optimizer
-def _change_weights(model: torch.nn.Module, new: torch.nn.Module, how: str) -> None:
+# load_state_dict and p.copy_ under no_grad bump the version counter that tells TwinFlowAdam a weight changed
+# outside it. p.data.copy_ goes around it: the user says so with opt.weights_changed() (README).
+CHANGES = ["load_state_dict", "copy_", "data.copy_+weights_changed"]
+
+
+def _change_weights(model: torch.nn.Module, new: torch.nn.Module, how: str, opt: object = None) -> None:
     if how == "load_state_dict":
         model.load_state_dict(new.state_dict())
-    else:
+    elif how == "copy_":
         with torch.no_grad():
             for p, q in zip(model.parameters(), new.parameters()):
                 p.copy_(q)
+    else:
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.data.copy_(q.data)
+        if isinstance(opt, TwinFlowAdam):
+            opt.weights_changed()
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "copy_"])
+@pytest.mark.parametrize("how", CHANGES)
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
-def test_weights_changed_outside_the_optimizer(ratio: float, placement: str, how: str) -> None:
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_weights_changed_outside_the_optimizer(
+    device: str, dtype: torch.dtype, ratio: float, placement: str, how: str
+) -> None:
     """Weights loaded into the model after the optimizer was built (before the first step and mid-run) are the
-    weights the next step starts from, as with AdamW; the optimizer's own fp32 masters must not overwrite them."""
-    ours = make_model()
+    weights the next step starts from, as with AdamW; the optimizer's own fp32 masters must not overwrite them.
+    bf16: against AdamW on fp32 masters restarted from the loaded weights."""
+    ours = make_model(dtype=dtype, device=device)
     ref = twin(ours)
     opt = tf(ours.parameters(), ratio, placement)
-    ref_opt = torch.optim.AdamW(ref.parameters(), weight_decay=0.01)
+    ref_opt = MasterAdamW(ref.parameters())
     data = batches(4)
-    for model in (ours, ref):
-        _change_weights(model, make_model(seed=1), how)
-    train(ours, opt, data[:2])
-    train(ref, ref_opt, data[:2])
-    for model in (ours, ref):
-        _change_weights(model, make_model(seed=2), how)
-    train(ours, opt, data[2:])
-    train(ref, ref_opt, data[2:])
-    assert_weights_close(ours, ref)
+    for seed, part in ((1, data[:2]), (2, data[2:])):
+        new = make_model(seed=seed, dtype=dtype, device=device)
+        _change_weights(ours, new, how, opt)
+        _change_weights(ref, new, how)
+        ref_opt.follow_weights()
+        train(ours, opt, part)
+        train(ref, ref_opt, part)
+    assert_masters_close(opt, ref_opt)
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "copy_"])
+@pytest.mark.parametrize("how", CHANGES)
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
-def test_weights_changed_outside_the_optimizer_bf16(ratio: float, placement: str, how: str) -> None:
-    """bf16 parameters: the same, against AdamW on fp32 copies of the bf16 weights, within bf16 tolerance."""
-    ours = make_model(dtype=torch.bfloat16)
-    ref = make_model().float()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_weights_changed_outside_the_optimizer_bf16(device: str, ratio: float, placement: str, how: str) -> None:
+    """bf16 parameters, the same bf16 gradients on both sides (no forward): against AdamW on fp32 copies of the
+    bf16 weights, whose weights are TwinFlowAdam's masters (fp32 tolerance) and, rounded, its weights."""
+    ours = make_model(dtype=torch.bfloat16, device=device)
+    ref = make_model(device=device)
     ref.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
     opt = tf(ours.parameters(), ratio, placement)
     ref_opt = torch.optim.AdamW(ref.parameters(), weight_decay=0.01)
@@ -616,10 +703,11 @@ def test_weights_changed_outside_the_optimizer_bf16(ratio: float, placement: str
         opt.synchronize()
 
     for seed, seeds in ((1, range(0, 2)), (2, range(2, 4))):
-        new = make_model(seed=seed, dtype=torch.bfloat16)
-        _change_weights(ours, new, how)
+        new = make_model(seed=seed, dtype=torch.bfloat16, device=device)
+        _change_weights(ours, new, how, opt)
         _change_weights(ref, new.float(), how)
         steps(seeds)
+    assert_weights_close(masters_of(opt), [q.cpu() for q in ref.parameters()], rtol=1e-5, atol=1e-6)
     assert_weights_close(ours, ref, rtol=1.6e-2, atol=1e-4)
 
 
@@ -720,7 +808,8 @@ def test_distributed_checkpoint_state_dict(ratio: float, placement: str) -> None
 
 # ------------------------------------------------------------------ attach(): frozen parameters, clipping
 @pytest.mark.parametrize(("ratio", "placement"), [(1.0, "first"), (0.5, "first"), (0.5, "last")])
-def test_frozen_parameters_under_attach(ratio: float, placement: str) -> None:
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_frozen_parameters_under_attach(device: str, dtype: torch.dtype, ratio: float, placement: str) -> None:
     """LoRA-like: most parameters requires_grad=False; opt over model.parameters() and attach(model)."""
 
     def frozen(model):
@@ -728,16 +817,17 @@ def test_frozen_parameters_under_attach(ratio: float, placement: str) -> None:
             p.requires_grad_(name.startswith(("3.", "4.")))
         return model
 
-    ours = frozen(make_model())
-    ref = frozen(twin(make_model()))
+    ours = frozen(make_model(dtype=dtype, device=device))
+    ref = frozen(twin(ours))
     opt = tf(ours.parameters(), ratio, placement)
     opt.attach(ours)
-    ref_opt = torch.optim.AdamW(ref.parameters(), weight_decay=0.01)
+    ref_opt = MasterAdamW(ref.parameters())
     data = batches(3)
     train(ours, opt, data)
     train(ref, ref_opt, data)
-    assert_weights_close(ours, ref)
-    assert torch.equal(ours[0].weight, make_model()[0].weight)
+    assert_masters_close(opt, ref_opt)
+    assert torch.equal(ours[0].weight, make_model(dtype=dtype, device=device)[0].weight)
+    assert not torch.equal(ours[4].weight, make_model(dtype=dtype, device=device)[4].weight), "nothing trained"
 
 
 CLIP_SCALES = [1.0, 30.0, 3.0, 100.0, 10.0]  # gradient norms vary across steps, so clipping changes Adam's result
@@ -747,33 +837,42 @@ def _clip(model: torch.nn.Module, norms: list[float]) -> Callable[[int], None]:
     return lambda k: norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
 
 
-def _adamw_clipped(data) -> torch.nn.Module:
-    ref = make_model()
+def _adamw_clipped(data, device: str = "cpu", dtype: torch.dtype = torch.float32) -> MasterAdamW:
+    """AdamW (on fp32 masters for bf16) with clip_grad_norm_ after each backward."""
+    ref = make_model(dtype=dtype, device=device)
+    ref_opt = MasterAdamW(ref.parameters())
     norms: list[float] = []
-    train(ref, torch.optim.AdamW(ref.parameters(), weight_decay=0.01), data, after_backward=_clip(ref, norms))
+    train(ref, ref_opt, data, after_backward=_clip(ref, norms))
     assert sum(n > 1.0 for n in norms) >= 3, norms  # clipping is active
-    unclipped = make_model()
-    train(unclipped, torch.optim.AdamW(unclipped.parameters(), weight_decay=0.01), data)
-    assert not torch.allclose(unclipped[0].weight, ref[0].weight, rtol=1e-4, atol=1e-5)  # and matters
-    return ref
+    unclipped = make_model(dtype=dtype, device=device)
+    unclipped_opt = MasterAdamW(unclipped.parameters())
+    train(unclipped, unclipped_opt, data)
+    with pytest.raises(AssertionError):  # and matters beyond the tolerance that the comparisons allow
+        assert_masters_close(unclipped_opt, ref_opt)
+    return ref_opt
 
 
 @pytest.mark.parametrize(("ratio", "placement"), SPLITS, ids=SPLIT_IDS)
-def test_clip_grad_norm_without_attach(ratio: float, placement: str) -> None:
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_clip_grad_norm_without_attach(device: str, dtype: torch.dtype, ratio: float, placement: str) -> None:
     data = batches(5, scales=CLIP_SCALES)
-    ref = _adamw_clipped(data)
-    ours = make_model()
-    train(ours, tf(ours.parameters(), ratio, placement), data, after_backward=_clip(ours, []))
-    assert_weights_close(ours, ref)
+    ref_opt = _adamw_clipped(data, device, dtype)
+    ours = make_model(dtype=dtype, device=device)
+    opt = tf(ours.parameters(), ratio, placement)
+    train(ours, opt, data, after_backward=_clip(ours, []))
+    assert_masters_close(opt, ref_opt)
 
 
 @pytest.mark.parametrize(("ratio", "placement"), CPU_SPLITS, ids=CPU_SPLIT_IDS)
-def test_clip_grad_norm_with_attach_matches_or_refuses(ratio: float, placement: str) -> None:
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_clip_grad_norm_with_attach_matches_or_refuses(
+    device: str, dtype: torch.dtype, ratio: float, placement: str
+) -> None:
     """torch.nn.utils.clip_grad_norm_ after backward under attach(): either AdamW's result, or a clear
     RuntimeError (naming clipping) at the first step() -- never a silently different result."""
     data = batches(5, scales=CLIP_SCALES)
-    ref = _adamw_clipped(data)
-    ours = make_model()
+    ref_opt = _adamw_clipped(data, device, dtype)
+    ours = make_model(dtype=dtype, device=device)
     opt = tf(ours.parameters(), ratio, placement).attach(ours)
     for k, (x, y, scale) in enumerate(data):
         opt.zero_grad(set_to_none=True)
@@ -786,4 +885,4 @@ def test_clip_grad_norm_with_attach_matches_or_refuses(ratio: float, placement: 
             assert "clip" in str(e).lower(), str(e)
             return
     opt.synchronize()
-    assert_weights_close(ours, ref, msg="clip_grad_norm_ under attach() silently differs from AdamW:")
+    assert_masters_close(opt, ref_opt, msg="clip_grad_norm_ under attach() silently differs from AdamW:")

@@ -108,7 +108,7 @@ def test_state_dict_loads_into_adamw_and_back(device: str) -> None:
 def test_split_summary_and_no_host_state_at_ratio_zero() -> None:
     model = make_model("cpu")
     opt = TwinFlowAdam(model.parameters(), ratio=0.0)
-    assert opt.split_summary["cpu"]["elements"] == 0 and opt._pipeline is None and opt._cpu == []
+    assert opt.split_summary["cpu"]["elements"] == 0 and opt._split.pipeline is None and opt._split.cpu == []
     opt = TwinFlowAdam(model.parameters(), ratio=0.37)
     total = sum(p.numel() for p in model.parameters())
     assert opt.split_summary["cpu"]["elements"] == round(0.37 * total)
@@ -289,7 +289,7 @@ def test_memory_is_flat_over_100_steps() -> None:
 
     params = bf16_params(4, 1_000_000, seed=13)
     opt = TwinFlowAdam(params, ratio=0.5, chunk_bytes=1 << 20)
-    buffers = [c.buffer.data_ptr() for c in opt._pipeline.chunks]
+    buffers = [c.buffer.data_ptr() for c in opt._split.pipeline.chunks]
     readings = []
     for step in range(100):
         for p in params:
@@ -303,7 +303,7 @@ def test_memory_is_flat_over_100_steps() -> None:
             readings.append((torch.cuda.memory_allocated(), rss))
     assert readings[1][0] == readings[0][0], "device memory grew"
     assert readings[1][1] - readings[0][1] < 32 << 20, "host memory grew by more than 32 MiB"
-    assert [c.buffer.data_ptr() for c in opt._pipeline.chunks] == buffers
+    assert [c.buffer.data_ptr() for c in opt._split.pipeline.chunks] == buffers
     cpu_grad_bytes = opt.split_summary["cpu"]["elements"] * 2
     assert cpu_grad_bytes <= opt.split_summary["pinned_bytes"] <= cpu_grad_bytes + 64 * len(buffers) * 4
 
@@ -325,11 +325,11 @@ def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: p
 
 def test_device_side_upcast_in_small_pieces_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 gradients are upcast at most _UPCAST_ELEMENTS at a time; cutting segments must not change a bit."""
-    from twinflow import twin_flow_adam
+    from twinflow import device_side
 
     results = []
     for limit in (1 << 26, 7):  # 7: every segment cut into many pieces, several batches per group
-        monkeypatch.setattr(twin_flow_adam, "_UPCAST_ELEMENTS", limit)
+        monkeypatch.setattr(device_side, "UPCAST_ELEMENTS", limit)
         model = make_model("cpu", torch.bfloat16)
         opt = TwinFlowAdam(groups(model), ratio=0.3, placement="first", chunk_bytes=1024, max_grad_norm=0.5)
         run(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 6, "cpu", 8)

@@ -5,8 +5,7 @@ from twinflow.cpu_adam import CPUAdam
 from twinflow.engine import Engine, initialize
 from twinflow.ops import BuildError
 from twinflow.twin_flow_adam import TwinFlowAdam
-
-__version__ = "0.1.0"
+from twinflow.version import __version__
 
 __all__ = [
     "BuildError",

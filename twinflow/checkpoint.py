@@ -36,6 +36,11 @@ from typing import IO, Any
 
 import torch
 
+from twinflow.cpu_adam import CPUAdam
+from twinflow.distributed import local, rank_and_world
+from twinflow.twin_flow_adam import TwinFlowAdam
+from twinflow.version import __version__
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit; nothing was changed."""
@@ -186,18 +191,7 @@ def _sha256(path: Path) -> str:
 
 def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state as this rank holds it: local shards of FSDP2's DTensors, plain tensors otherwise."""
-    from twinflow.twin_flow_adam import _local
-
-    return {key: _local(value) for key, value in model.state_dict().items()}
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size (0 and 1 without torch.distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return {key: local(value) for key, value in model.state_dict().items()}
 
 
 def _check_tag(tag: Any) -> None:
@@ -307,8 +301,6 @@ def save_checkpoint(
     file or folder. With several ranks, call it on every rank. Returns the
     tag's folder.
     """
-    from twinflow import __version__
-
     _check_tag(tag)
     meta = {} if meta is None else meta
     extra = {} if extra is None else extra
@@ -512,9 +504,6 @@ def _check_shard(shard: Any, where: str) -> None:
 
 def _required_state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
     """The keys every per-parameter state entry of `optimizer` needs (none known: no check)."""
-    from twinflow.cpu_adam import CPUAdam
-    from twinflow.twin_flow_adam import TwinFlowAdam
-
     # One torch.optim layout for the Adam family; amsgrad (torch's Adam/AdamW) adds its running maximum.
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, CPUAdam, TwinFlowAdam)):
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
@@ -528,8 +517,6 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
     them) would change their groups before failing on a missing key, or fail
     only at the next step.
     """
-    from twinflow.twin_flow_adam import _local
-
     fix = (
         "The checkpoint is damaged or was saved with another optimizer: load another tag, or build the optimizer "
         "it was saved with"
@@ -584,10 +571,10 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
                     f"{type(value).__name__}, expected a tensor. {fix}"
                 )
             p = params.get(pid)
-            if p is not None and _local(value).numel() != _local(p).numel():
+            if p is not None and local(value).numel() != local(p).numel():
                 raise CheckpointError(
-                    f"{where}: the optimizer state of parameter index {pid}: {key!r} has {_local(value).numel()} "
-                    f"elements, the parameter has {_local(p).numel()}: it was saved for another model or parameter "
+                    f"{where}: the optimizer state of parameter index {pid}: {key!r} has {local(value).numel()} "
+                    f"elements, the parameter has {local(p).numel()}: it was saved for another model or parameter "
                     "order; build the model and optimizer as when it was saved"
                 )
 

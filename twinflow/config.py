@@ -546,7 +546,7 @@ def load_config(source: str | Path | dict[str, Any], *, world_size: int | None =
     if "world_size" in raw:
         raise ConfigError("world_size is not a config key (it comes from the launcher, torchrun): remove it")
     if world_size is None:
-        from twinflow.checkpoint import rank_and_world
+        from twinflow.distributed import rank_and_world
 
         world_size = rank_and_world()[1]
     try:

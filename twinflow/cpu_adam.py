@@ -29,6 +29,17 @@ def check_hyperparams(lr: float, betas: tuple[float, float], eps: float, weight_
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; expected a finite number >= 0")
 
 
+def check_adamw_flags(**flags: object) -> None:
+    """torch.optim.AdamW's flags, accepted at their defaults (configs often spell them out), refused otherwise."""
+    for name, value in flags.items():
+        if value:
+            raise ValueError(
+                f"{name}={value!r} is not supported by TwinFlowAdam: leave it unset (it picks its own kernels: "
+                "twinflow's on the CPU, torch's fused Adam on the device; amsgrad, maximize, capturable and "
+                "differentiable are not implemented)"
+            )
+
+
 def adam_defaults(
     lr: float,
     betas: tuple[float, float],

@@ -1,9 +1,13 @@
-"""Which elements step where: pure functions, deterministic, in parameter order."""
+"""Which elements step where (pure functions, deterministic, in parameter order), and a segment's state."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PLACEMENTS = ("first", "last")
 
@@ -59,3 +63,14 @@ def split(numels: list[int], ratio: float, placement: str = "first") -> list[Seg
             segments.append(Segment(index, a, b, on_cpu=lo <= offset + a and offset + b <= hi))
         offset += n
     return segments
+
+
+@dataclass
+class SegmentState:
+    """A segment's optimizer state, on its side; the only owner of these tensors."""
+
+    seg: Segment
+    master: torch.Tensor  # fp32; for a float32 parameter on the device side, the parameter slice itself
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    device_step: torch.Tensor | None = None  # device side: the fused kernel's step counter

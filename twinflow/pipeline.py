@@ -26,6 +26,7 @@ One step:
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -35,7 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from twinflow import ops
+from twinflow.cpu_adam import check_hyperparams
 from twinflow.transfer import Streams, pinned_buffers, view
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes: every piece in a chunk buffer starts on a cache line
 
@@ -74,6 +78,22 @@ class StepArgs:
     steps: list[int]  # per parameter: its step count after this update
     scale: float | Callable[[], float] = 1.0  # gradient multiplier (clipping); a callable may block
 
+    @classmethod
+    def of(cls, param_groups: list[dict], steps: list[int]) -> StepArgs:
+        """The step's arguments from torch.optim param groups (hyper-parameters checked, as plain numbers)."""
+        groups = []
+        for group in param_groups:
+            check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            beta1, beta2 = group["betas"]
+            groups.append(
+                dict(
+                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+                    bias_correction=bool(group["bias_correction"]),
+                )
+            )  # fmt: skip
+        return cls(groups=groups, steps=steps)
+
 
 @dataclass
 class _Piece:
@@ -94,6 +114,11 @@ class _Chunk:
     params: list[int] = field(default_factory=list)  # distinct, in order
     grad_ready: object = None  # event: the chunk's gradients are on the host
     uploaded: object = None  # event: the chunk's weights are back on the device
+
+
+def check_chunk_bytes(chunk_bytes: object) -> None:
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 256:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= 256")
 
 
 def plan_chunks(segments: list[HostSegment], itemsizes: list[int], chunk_bytes: int) -> list[list[tuple]]:
@@ -251,8 +276,21 @@ class HostPipeline:
                     self._push_ready(k)
             self._cond.notify_all()
 
-    def seal(self, args: StepArgs) -> None:
-        """Every gradient of the step is down: chunks wait for no one else, and the worker may run them all."""
+    def seal(self, args: StepArgs, scale: Callable[[], float | Callable[[], float]]) -> StepArgs:
+        """Every gradient of the step is down: chunks wait for no one else, and the worker may run them all.
+
+        Returns the step's arguments, which the device side uses too: those the step was opened with under
+        eager overlap (the worker may already have used them), else `args` with the gradient multiplier
+        ``scale()`` (clipping).
+        """
+        eager = self.released_args
+        if eager is not None:
+            if eager.groups != args.groups:
+                log.warning("hyper-parameters changed between backward and step(); under eager overlap the step "
+                            "uses the values read when backward began delivering gradients")  # fmt: skip
+            args = eager
+        else:
+            args.scale = scale()
         with self._cond:
             for k, chunk in enumerate(self.chunks):
                 if self._missing[k] == 0:
@@ -270,6 +308,7 @@ class HostPipeline:
             self._cond.notify_all()
         self.streams.compute_after_downloads()
         self._start_worker()
+        return args
 
     def _push_ready(self, k: int) -> None:
         """Caller holds the lock."""

@@ -47,12 +47,12 @@ from typing import Any
 import torch
 
 from twinflow import ops
+from twinflow.device_side import UPCAST_ELEMENTS
 
 log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
-UPCAST_ELEMENTS = 1 << 26  # TwinFlowAdam's device side upcasts bf16/fp16 gradients at most this many at a time
 _PROBE_ELEMENTS = 1 << 26  # 1 GiB of fp32 state: well past a 300 MiB L3, which would flatter the kernel
 
 

@@ -1,0 +1,119 @@
+"""The device side of TwinFlowAdam: torch's fused Adam over fp32 masters, per param group, in bounded batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from twinflow.partition import SegmentState
+
+UPCAST_ELEMENTS = 1 << 26  # bf16/fp16 gradients are upcast to fp32 at most this many at a time (256 MiB)
+
+
+def new_state(seg: object, flat: torch.Tensor) -> SegmentState:
+    """A device-side segment's fresh state; `flat` is the parameter's elements [start, end).
+
+    A float32 parameter is its own master (the fused kernel updates it in
+    place); bf16/fp16 parameters get an fp32 copy and receive the rounded result.
+    """
+    master = flat if flat.dtype == torch.float32 else flat.float()
+    step = torch.zeros((), dtype=torch.float32, device=flat.device)
+    return SegmentState(seg, master, torch.zeros_like(master), torch.zeros_like(master), step)
+
+
+def step(
+    states: list[SegmentState],
+    groups: list[dict[str, Any]],
+    group_of: list[int],
+    weights: list[torch.Tensor],
+    grad_of: Callable[[int], torch.Tensor],
+    scale: torch.Tensor | None,
+) -> None:
+    """Launches the step of `states` (stream order; no host synchronisation).
+
+    `groups` holds the step's hyper-parameters per param group (``StepArgs``'
+    layout), `weights[i]` parameter i as this process holds it, `grad_of(i)`
+    its gradient, and `scale` the multiplier every gradient gets (clipping,
+    unscaling) or None. bf16/fp16 gradients are upcast at most
+    ``UPCAST_ELEMENTS`` at a time (a large segment is cut into several
+    batches), so the temporary memory stays bounded.
+    """
+    by_group: dict[int, list[SegmentState]] = {}
+    for st in states:
+        by_group.setdefault(group_of[st.seg.index], []).append(st)
+    limit = UPCAST_ELEMENTS
+    for gi, group_states in by_group.items():
+        torch._foreach_add_([st.device_step for st in group_states], 1)  # the kernels read the new step
+        batch: list[tuple[SegmentState, int, int]] = []
+        upcast = 0
+        for st in group_states:
+            low = weights[st.seg.index].dtype != torch.float32
+            size = limit if low else st.seg.numel
+            for a in range(0, st.seg.numel, size):
+                b = min(st.seg.numel, a + size)
+                if batch and low and upcast + b - a > limit:
+                    _step_batch(groups[gi], batch, weights, grad_of, scale)
+                    batch, upcast = [], 0
+                batch.append((st, a, b))
+                upcast += b - a if low else 0
+        if batch:
+            _step_batch(groups[gi], batch, weights, grad_of, scale)
+
+
+def _step_batch(
+    group: dict[str, Any],
+    pieces: list[tuple[SegmentState, int, int]],
+    weights: list[torch.Tensor],
+    grad_of: Callable[[int], torch.Tensor],
+    scale: torch.Tensor | None,
+) -> None:
+    """Elements [a, b) of each segment: upcast gradients, scale, fused Adam, rounded copy back."""
+    grads, masters, exp_avgs, exp_avg_sqs, steps, low = [], [], [], [], [], []
+    for st, a, b in pieces:
+        p = weights[st.seg.index]
+        g = grad_of(st.seg.index).reshape(-1)[st.seg.start + a : st.seg.start + b]
+        grads.append(g if g.dtype == torch.float32 else g.float())
+        masters.append(st.master[a:b])
+        exp_avgs.append(st.exp_avg[a:b])
+        exp_avg_sqs.append(st.exp_avg_sq[a:b])
+        steps.append(st.device_step)
+        if p.dtype != torch.float32:
+            low.append((p.view(-1)[st.seg.start + a : st.seg.start + b], masters[-1]))
+    if scale is not None:
+        torch._foreach_mul_(grads, scale)
+    if group["bias_correction"]:
+        fused = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
+        fused(
+            masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+            lr=group["lr"], beta1=group["beta1"], beta2=group["beta2"], weight_decay=group["weight_decay"],
+            eps=group["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
+    else:
+        _adam_no_bias_correction(masters, grads, exp_avgs, exp_avg_sqs, group)
+    if low:
+        torch._foreach_copy_([dst for dst, _ in low], [m for _, m in low])
+
+
+def _adam_no_bias_correction(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    """Adam/AdamW without bias correction (torch's fused kernels always correct); `group` as ``StepArgs``'."""
+    beta1, beta2 = group["beta1"], group["beta2"]
+    lr, wd = group["lr"], group["weight_decay"]
+    if wd != 0:
+        if group["adamw_mode"]:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, group["eps"])
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)

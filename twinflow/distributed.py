@@ -1,0 +1,62 @@
+"""What twinflow needs from torch.distributed: local shards, reductions over a mesh, the rank.
+
+Under FSDP2 parameters and gradients are DTensors; the optimizer steps the
+shard this process holds, and a global quantity (the gradient norm, an fp16
+overflow) is reduced over the parameters' device mesh. Without
+torch.distributed every helper here is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # FSDP2 parameters and gradients are DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without torch.distributed
+    DTensor = None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's local shard (FSDP2), else the tensor itself."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def mesh_group(params: list[torch.Tensor]) -> object | None:
+    """The process group of the first DTensor's device mesh (FSDP2's shard group), else None."""
+    return next((p.device_mesh.get_group() for p in params if DTensor is not None and isinstance(p, DTensor)), None)
+
+
+def all_ranks_norm(norm: torch.Tensor, norm_type: float, group: object) -> torch.Tensor:
+    """The norm over every rank's shards, from this rank's norm of its own."""
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.pow(norm_type)
+    dist.all_reduce(powered, group=group)
+    return powered.pow(1.0 / norm_type)
+
+
+def any_rank(flag: torch.Tensor, group: object) -> torch.Tensor:
+    """`flag` (a 0-dim float tensor, 0 or 1) set where any rank of `group` set it."""
+    import torch.distributed as dist
+
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
+
+
+def multi_process() -> bool:
+    """Whether torch.distributed runs with more than one process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

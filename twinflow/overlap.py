@@ -1,0 +1,259 @@
+"""TwinFlowAdam.attach(): the hooks that overlap the CPU share with backward and the next forward.
+
+- Each CPU-owned gradient is copied to the host as soon as backward has
+  finished it (a post-accumulate-grad hook), and may be released.
+- Each module that owns CPU-stepped parameters waits, in a forward pre-hook,
+  for the chunks holding its weights; under torch.compile that wait is a graph
+  break, and dynamo is made to guard on module hooks.
+- Gradients changed after backward (an outside ``clip_grad_norm_``) are
+  detected at ``step()``: they cannot reach what already streamed.
+
+Hook objects hold the optimizer; a copy of the model (deepcopy, pickle) gets
+inert ones, since the copy is not attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from twinflow import distributed
+from twinflow.pipeline import HostPipeline
+
+log = logging.getLogger(__name__)
+
+
+class Attachment:
+    """One attach() of a TwinFlowAdam `opt`: its hooks, and what they note during a step (their only owner)."""
+
+    def __init__(
+        self, opt: torch.optim.Optimizer, model: torch.nn.Module, release_grads: bool, eager: bool | None
+    ) -> None:
+        fp16 = any(p.dtype == torch.float16 for p in opt._split.params)
+        if eager is None:
+            eager = opt.max_grad_norm is None and not fp16
+        elif eager and (opt.max_grad_norm is not None or fp16):
+            raise ValueError(
+                "eager=True cannot be combined with max_grad_norm or fp16 parameters: both need every gradient "
+                "before any update; leave eager unset"
+            )
+        if distributed.multi_process():
+            raise RuntimeError(
+                "TwinFlowAdam.attach() under torch.distributed: its hooks read each gradient before DDP's "
+                "all-reduce has averaged it. Use TwinFlowAdam without attach() there (step() runs after "
+                "the all-reduce)"
+            )
+        self.opt, self.model = opt, model
+        self.release_grads, self.eager = release_grads, eager
+        self.handles: list[Any] = []
+        self.unwaited: list[int] = []  # chunks of parameters no module owns: step() waits for them
+        self.witness: int | None = None
+        self.released_grad_bytes = 0  # device gradient memory handed back during the last backward
+        self.end_step()
+
+    def open_step(self) -> None:
+        """The step's first gradient goes down."""
+        self.streamed: set[int] = set()  # parameters whose gradient went down during this backward
+        self.released_grad_bytes = 0
+
+    def end_step(self) -> None:
+        self.streamed = set()
+        self.grad_version: dict[int, int] = {}  # each gradient's version when backward finished it
+        self.witness_grad: torch.Tensor | None = None
+
+    def install(self) -> None:
+        """Registers the hooks for the optimizer's current split (again after it is rebuilt)."""
+        self.remove()
+        split, model = self.opt._split, self.model
+        pipeline = split.pipeline
+        if pipeline is None:
+            return
+        self.end_step()
+        trainable = sorted(i for i in split.planned if split.params[i].requires_grad)
+        # The witness: one gradient kept on the device (not released) and copied when backward ends, so that
+        # a change made to the gradients afterwards (an outside clip_grad_norm_) shows in its values, and a
+        # multiplication by exactly 1 (Trainer's logged norm with max_norm=inf) is told apart from a clip.
+        kept = [i for i in trainable if i not in split.fully_cpu] or trainable
+        large = [i for i in kept if split.locals[i].numel() >= 1024]  # not a bias, whose gradient may be 0
+        sizes = {i: split.locals[i].numel() for i in kept}
+        self.witness = min(large, key=sizes.get) if large else (max(kept, key=sizes.get) if kept else None)
+        for i in trainable:
+            hook = _OnGrad(self) if i in pipeline.pieces_of else _NoteGrad(self)
+            self.handles.append(split.params[i].register_post_accumulate_grad_hook(hook))
+        # A module's pre-hook waits for its own parameters and its direct children's: modules such as
+        # nn.MultiheadAttention read a child's weight without calling the child, and containers
+        # (ParameterList) have no forward of their own. Coverage is counted per parameter.
+        covered: set[int] = set()
+        for module in model.modules():
+            owned = list(module.parameters(recurse=False))
+            for child in module.children():
+                owned += list(child.parameters(recurse=False))
+            indices = {split.index[id(p)] for p in owned if split.index.get(id(p)) in pipeline.chunks_of}
+            if indices:
+                covered |= indices
+                chunk_ids = sorted({k for i in indices for k in pipeline.chunks_of[i]})
+                self.handles.append(module.register_forward_pre_hook(_WaitFor(pipeline, chunk_ids)))
+        uncovered = [i for i in pipeline.chunks_of if i not in covered]
+        self.unwaited = sorted({k for i in uncovered for k in pipeline.chunks_of[i]})
+        if uncovered:
+            log.warning("%d CPU-stepped parameters belong to no module of the attached model; step() waits "
+                        "for them", len(uncovered))  # fmt: skip
+        self.handles.append(model.register_forward_pre_hook(_RebuildIfNeeded(self)))
+        self.handles.append(model.register_state_dict_pre_hook(_Synchronize(self)))
+        self.handles.append(model.register_load_state_dict_pre_hook(_Synchronize(self)))
+        _make_compile_see_hooks()  # no compiled forward may run without these hooks
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: the gradient of a CPU-stepped parameter is final; send it down."""
+        if p.grad is None:
+            return
+        opt, split = self.opt, self.opt._split
+        i = split.index[id(p)]
+        self.note_grad(i, p.grad)
+        if not opt.sync_gradients:
+            return
+        if split.pipeline.phase != "open":
+            opt._open_step(opt._step_args() if self.eager else None)
+        grad = distributed.local(p.grad)
+        if not self.eager:
+            opt._scale.add_norm(grad)
+        release = self.release_grads and i in split.fully_cpu and i != self.witness
+        split.pipeline.download(i, grad)
+        self.streamed.add(i)
+        if release:
+            self.released_grad_bytes += grad.numel() * grad.element_size()
+            p.grad = None
+
+    def refuse_after_eager(self, what: str) -> None:
+        """`what` (a clip, an unscale) cannot reach a CPU share that stepped during backward."""
+        if self.streamed and self.eager:
+            raise RuntimeError(
+                f"{what} after an eager overlapped backward: the CPU share has already stepped with unscaled, "
+                "unclipped gradients. Pass max_grad_norm= to TwinFlowAdam (the CPU then waits for the norm)"
+            )
+
+    def note_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Backward has finished parameter i's gradient: note its version, copy the witness."""
+        self.grad_version[i] = grad._version
+        if i == self.witness:
+            self.witness_grad = grad.detach().clone()
+
+    def check_grads_untouched(self, with_grad: list[int]) -> None:
+        """Gradients changed after backward (an outside clip) cannot reach what already streamed: refused."""
+        params = self.opt._split.params
+        changed = [i for i in with_grad if params[i].grad is not None and i in self.grad_version
+                   and params[i].grad._version != self.grad_version[i]]  # fmt: skip
+        if not changed:
+            return
+        w, copy = self.witness, self.witness_grad
+        if w in changed and copy is not None and torch.equal(distributed.local(params[w].grad), copy):
+            # Written with the same values: clip_grad_norm_ multiplied by 1 (Hugging Face Trainer's logged norm,
+            # max_norm=inf). Exact only if the clipper saw every gradient; released ones it could not see.
+            if self.released_grad_bytes == 0:
+                return
+            raise RuntimeError(
+                "gradients were passed through an outside clip_grad_norm_ after backward while TwinFlowAdam is "
+                "attached and released the CPU share's gradients, so the norm it took left them out. Use "
+                "opt.attach(model, release_grads=False) with TwinFlowAdam(max_grad_norm=...), and let the "
+                "training loop not clip (Hugging Face Trainer: max_grad_norm=0 in TrainingArguments)"
+            )
+        raise RuntimeError(
+            f"gradient of parameter {changed[0]} was changed after backward (by torch.nn.utils.clip_grad_norm_, "
+            "or an unscale?) while TwinFlowAdam is attached: the CPU share's gradients left during backward, so "
+            "the change cannot reach them and the step would be silently off. Clip with "
+            "TwinFlowAdam(max_grad_norm=...) (with Hugging Face Trainer, set max_grad_norm=0 in "
+            "TrainingArguments so it does not clip again), or do not attach()"
+        )
+
+
+class _AttachmentHook:
+    """A hook object holding the attachment. A copy of the model (deepcopy, pickle) gets an inert one: the copy
+    is not attached, and the optimizer's threads and locks cannot be copied."""
+
+    def __init__(self, attachment: Attachment) -> None:
+        self.attachment = attachment
+
+    def __deepcopy__(self, memo: dict) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+
+class _Inert:
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _OnGrad(_AttachmentHook):
+    def __call__(self, p: torch.Tensor) -> None:
+        self.attachment.on_grad(p)
+
+
+class _NoteGrad(_AttachmentHook):
+    """A device-stepped parameter's gradient is final: note its version (a later in-place change shows)."""
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.attachment.note_grad(self.attachment.opt._split.index[id(p)], p.grad)
+
+
+class _Synchronize(_AttachmentHook):
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.attachment.opt.synchronize()
+
+
+class _RebuildIfNeeded(_AttachmentHook):
+    """Root forward pre-hook: parameters unfrozen or added since the split join it before they are used."""
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.attachment.opt._rebuild_if_needed()
+
+
+class _WaitFor:
+    """Forward pre-hook: the module's CPU-stepped weights must be back before it runs."""
+
+    def __init__(self, pipeline: HostPipeline, chunk_ids: list[int]) -> None:
+        self.pipeline, self.chunk_ids = pipeline, chunk_ids
+
+    def __deepcopy__(self, memo: dict) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        _wait(self.pipeline, self.chunk_ids)  # under torch.compile a graph break: the wait runs eagerly
+
+
+@torch.compiler.disable
+def _wait(pipeline: HostPipeline, chunk_ids: list[int]) -> None:
+    """Never traced: under torch.compile a graph break, then the wait, eagerly."""
+    pipeline.wait(chunk_ids)
+
+
+def _make_compile_see_hooks() -> None:
+    """Makes torch.compile guard on every module's hooks, so that no compiled forward runs without the waits.
+
+    By default dynamo keeps no guard on a module's empty hook dicts (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``): a forward traced for a module without hooks (this model before attach(), or
+    any other instance of its class, such as an AdamW reference or an evaluation copy, before or after) would
+    also run for the attached model, without its waits, and read weights the CPU is still writing. Graphs
+    compiled before this change have no such guard: they are dropped, and retraced at their next call.
+    """
+    compiled_before = "torch._dynamo" in sys.modules
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        log.info("TwinFlowAdam: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        if compiled_before:
+            torch.compiler.reset()

@@ -1,0 +1,297 @@
+"""TwinFlowAdam's parameters, their split between the CPU and the device, and all of their optimizer state.
+
+One ``SplitState`` is built per plan (at construction, or at the first step
+under ``ratio="auto"``) and rebuilt when the parameters change (a group
+added, a frozen parameter unfrozen). It owns every parameter's step count,
+the CPU side's fp32 masters and moments (three flat host buffers, one slice
+per segment, stepped by a ``HostPipeline``) and the device side's, and it
+turns them into torch.optim's per-parameter layout and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from twinflow import device_side, distributed
+from twinflow.partition import SegmentState, split
+from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class SplitState:
+    """The parameters of `param_groups`, numbered in order; after ``build()``, their split and state."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.params: list[torch.Tensor] = []
+        self.group_of: list[int] = []
+        self.index: dict[int, int] = {}  # id(parameter) -> its number
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if id(p) in self.index:
+                    raise ValueError(
+                        f"parameter {self.index[id(p)]} (shape {tuple(p.shape)}) is a duplicate: it appears "
+                        "twice in the param groups; list each parameter once (torch.optim would step it twice)"
+                    )
+                self.index[id(p)] = len(self.params)
+                self.params.append(p)
+                self.group_of.append(gi)
+        # What this process holds of each parameter (a DTensor's local shard under FSDP2): all math uses these.
+        self.locals = [distributed.local(p.detach()) for p in self.params]
+        self.mesh_group = distributed.mesh_group(self.params)
+        self.device = self.locals[0].device if self.params else torch.device("cpu")
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ValueError(
+                f"TwinFlowAdam got parameters on several devices {devices}; it steps the parameters of one "
+                "device: build one optimizer per device (or per rank with DDP/FSDP)"
+            )
+        for i, p in enumerate(self.locals):
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"parameter {i} has dtype {p.dtype}; expected float32, bfloat16 or float16")
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+        self.steps = [0] * len(self.params)
+        self.segments_of: list[list[SegmentState]] | None = None  # per parameter; None until build()
+        self.pipeline: HostPipeline | None = None
+
+    @property
+    def built(self) -> bool:
+        return self.segments_of is not None
+
+    @property
+    def step_open(self) -> bool:
+        """Gradients of a step were streamed to the host and ``step()`` has not run yet."""
+        return self.pipeline is not None and self.pipeline.phase == "open"
+
+    def build(self, ratio: float, placement: str, chunk_bytes: int, num_threads: int | None) -> dict[str, Any]:
+        """Splits the trainable parameters and creates their state (fresh); returns the split's summary."""
+        # Frozen parameters take no part (no state, no hooks): with LoRA most of the model is frozen.
+        self.planned = {i for i, p in enumerate(self.params) if p.requires_grad}
+        numels = [p.numel() if i in self.planned else 0 for i, p in enumerate(self.locals)]
+        segments = split(numels, ratio, placement)
+        # Per parameter, its version counter right after the optimizer last wrote it (see refresh_moved_masters).
+        self.written = [p._version for p in self.locals]
+        self.segments_of = [[] for _ in self.params]
+        self.cpu: list[SegmentState] = []
+        self.dev: list[SegmentState] = []
+        cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
+        host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3)]
+        offset = 0
+        with torch.no_grad():
+            for seg in segments:
+                flat = self.locals[seg.index].view(-1)[seg.start : seg.end]
+                if seg.on_cpu:
+                    master, exp_avg, exp_avg_sq = (h[offset : offset + seg.numel] for h in host)
+                    offset += seg.numel
+                    master.copy_(flat)
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
+                    self.cpu.append(SegmentState(seg, master, exp_avg, exp_avg_sq))
+                else:
+                    self.dev.append(device_side.new_state(seg, flat))
+                self.segments_of[seg.index].append(self.cpu[-1] if seg.on_cpu else self.dev[-1])
+        # Parameters wholly on the CPU: their device gradient may be released once it is down.
+        self.fully_cpu = {i for i, sts in enumerate(self.segments_of) if sts and all(s.seg.on_cpu for s in sts)}
+        if self.cpu:
+            host_segments = [HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq)
+                             for s in self.cpu]  # fmt: skip
+            self.pipeline = HostPipeline(self.locals, self.group_of, host_segments, chunk_bytes, self.device,
+                                         num_threads)  # fmt: skip
+            weakref.finalize(self, self.pipeline.close)
+        return self._summary(ratio, placement)
+
+    def _summary(self, ratio: float, placement: str) -> dict[str, Any]:
+        def side(states: list[SegmentState]) -> dict[str, int]:
+            elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
+            return {"tensors": len({st.seg.index for st in states}), "elements": elements, "state_bytes": 12 * elements}
+
+        cpu, dev = side(self.cpu), side(self.dev)
+        total = cpu["elements"] + dev["elements"]
+        return {
+            "ratio_requested": ratio,
+            "ratio_achieved": cpu["elements"] / total if total else 0.0,
+            "placement": placement,
+            "cpu": cpu,
+            "device": dev | {"device": str(self.device)},
+            "pinned_bytes": self.pipeline.pinned_bytes if self.pipeline else 0,
+            "chunks": len(self.pipeline.chunks) if self.pipeline else 0,
+        }
+
+    def check_settled(self) -> None:
+        """Raises unless the state exists and no step is half done (before a save or a load)."""
+        if not self.built:
+            raise RuntimeError("ratio='auto' is decided at the first step(); there is no state before it")
+        if self.step_open:
+            raise RuntimeError(
+                "TwinFlowAdam's state is in the middle of a step (gradients streamed, step() not called yet); "
+                "call step() first, then save or load"
+            )
+
+    def needs_rebuild(self) -> bool:
+        """A parameter frozen when the split was made now takes gradients."""
+        return any(p.requires_grad and i not in self.planned for i, p in enumerate(self.params))
+
+    def take_over(self, old: SplitState) -> None:
+        """After a rebuild: every parameter `old` stepped keeps its state here; `old` is closed."""
+        kept = {old.params[i]: entry for i, entry in old.export().items()}
+        old.close()
+        self.load({self.index[id(p)]: entry for p, entry in kept.items()})
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+
+    # ------------------------------------------------------------------- a step
+    def open(self, args: StepArgs | None) -> None:
+        """A step's first gradient is about to go down (`args`: eager, the worker may start at once)."""
+        self.pipeline.open(args)  # waits for the last step's writes: the masters are settled
+        self.refresh_moved_masters()
+
+    def with_grad(self, streamed: set[int]) -> list[int]:
+        """The parameters this step updates: those with a gradient, and those whose gradient already streamed.
+
+        Refuses (before anything is stepped) a gradient on a parameter frozen when the split was made, and
+        sparse gradients; then sends down the CPU share's gradients not streamed yet.
+        """
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None or i in streamed]
+        unplanned = [i for i in with_grad if i not in self.planned]
+        if unplanned:  # only reachable under attach(): a frozen parameter was unfrozen during this iteration
+            raise RuntimeError(
+                f"parameter {unplanned[0]} has a gradient but was frozen when TwinFlowAdam split the parameters; "
+                "unfreeze parameters before the forward pass (the split is rebuilt there)"
+            )
+        for i in with_grad:
+            g = self.params[i].grad
+            if g is not None and g.is_sparse:
+                if self.pipeline is not None:
+                    self.pipeline.reset()
+                raise TypeError(f"parameter {i} has a sparse gradient; TwinFlowAdam needs dense gradients")
+        if self.pipeline is not None:
+            for i in with_grad:
+                if i in self.pipeline.pieces_of and not self.pipeline.downloaded(i):
+                    self.pipeline.download(i, distributed.local(self.params[i].grad))
+        return with_grad
+
+    def grads_on_device(self, streamed: set[int]) -> list[torch.Tensor]:
+        """The gradients still on the device: every one but those streamed to the host in backward."""
+        grads = [p.grad for i, p in enumerate(self.params) if i not in streamed]
+        return [distributed.local(g) for g in grads if g is not None]
+
+    def step_device(self, with_grad: list[int], groups: list[dict[str, Any]], scale: torch.Tensor | None) -> None:
+        """Launches the device side's step of `with_grad`, and counts the step of each."""
+        has_grad = set(with_grad)
+        stepped = [st for st in self.dev if st.seg.index in has_grad]
+        device_side.step(stepped, groups, self.group_of, self.locals,
+                         lambda i: distributed.local(self.params[i].grad), scale)  # fmt: skip
+        for st in stepped:
+            self.written[st.seg.index] = self.locals[st.seg.index]._version
+        for i in with_grad:
+            self.steps[i] += 1
+
+    def forget_written(self) -> None:
+        """Every weight counts as changed outside the optimizer: the next refresh copies them all."""
+        self.written = [-1] * len(self.params)
+        if self.pipeline is not None:
+            self.pipeline.written_version.clear()
+
+    @torch.no_grad()
+    def refresh_moved_masters(self) -> None:
+        """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps).
+
+        A parameter's version counter moves with every in-place write; after its own writes the optimizer notes
+        the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
+        """
+        written = self.pipeline.written_version if self.pipeline is not None else {}
+        for i, p in enumerate(self.locals):
+            if p._version > max(self.written[i], written.get(i, -1)):
+                flat = p.view(-1)
+                for st in self.segments_of[i]:
+                    piece = flat[st.seg.start : st.seg.end]
+                    if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
+                        st.master.copy_(piece)
+                self.written[i] = p._version
+
+    # ------------------------------------------------ torch.optim's layout
+    def entry(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter i's state in torch.optim's layout (+ ``master`` for low precision).
+
+        Views of the live buffers where the parameter is on one side whole; a copy for the one cut in two.
+        """
+        p, states = self.locals[i], self.segments_of[i]
+        entry = {"step": torch.tensor(float(self.steps[i]))}
+        for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
+            if len(states) == 1:
+                entry[key] = getattr(states[0], key).view(p.shape)
+            else:
+                full = torch.empty(p.numel(), dtype=torch.float32)
+                for st in states:
+                    full[st.seg.start : st.seg.end] = getattr(st, key)
+                entry[key] = full.view(p.shape)
+        return entry
+
+    def export(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every stepped parameter's entry, by index."""
+        return {i: self.entry(i) for i in range(len(self.params)) if self.steps[i] > 0 and self.segments_of[i]}
+
+    def validated(self, state_dict: dict[str, Any], param_groups: list[dict]) -> dict[int, dict[str, torch.Tensor]]:
+        """The state dict's per-parameter entries by our index, checked (raises before anything changes)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups; this optimizer has {len(param_groups)}")
+        for gi, (saved, ours) in enumerate(zip(groups, param_groups)):
+            if len(saved["params"]) != len(ours["params"]):
+                raise ValueError(
+                    f"param group {gi}: state dict has {len(saved['params'])} parameters, optimizer has "
+                    f"{len(ours['params'])}"
+                )
+        ours = [self.index[id(p)] for group in param_groups for p in group["params"]]
+        id_to_index = dict(zip((pid for g in groups for pid in g["params"]), ours))
+        loaded: dict[int, dict[str, torch.Tensor]] = {}
+        for pid, entry in state_dict["state"].items():
+            if pid not in id_to_index:
+                raise ValueError(f"state dict has state for parameter {pid!r}, which none of its param groups lists")
+            i = id_to_index[pid]
+            missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]
+            if missing:
+                raise ValueError(
+                    f"state of parameter {i}: no {missing[0]!r} entry (an Adam state has step, exp_avg and "
+                    "exp_avg_sq); the state dict is incomplete or not from an Adam-family optimizer"
+                )
+            for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
+                if entry[key].numel() != self.locals[i].numel():
+                    raise ValueError(f"state of parameter {i}: {key} has {entry[key].numel()} elements, expected "
+                                     f"{self.locals[i].numel()}")  # fmt: skip
+            loaded[i] = entry
+        return loaded
+
+    @torch.no_grad()
+    def load(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master."""
+        for i, p in enumerate(self.locals):
+            entry = loaded.get(i)
+            self.steps[i] = int(entry["step"]) if entry is not None else 0
+            if entry is None:
+                flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
+            else:
+                flat = {k: entry[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
+                flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
+            for st in self.segments_of[i]:
+                s, e = st.seg.start, st.seg.end
+                for key in ("exp_avg", "exp_avg_sq"):
+                    target = getattr(st, key)
+                    target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
+                if st.master.data_ptr() != p.data_ptr() + s * p.element_size():
+                    st.master.copy_(flat["master"][s:e])
+                if st.device_step is not None:
+                    st.device_step.fill_(self.steps[i])
+            if entry is not None and "master" in entry:  # the model's weights follow the masters
+                p.copy_(entry["master"].view(p.shape))
+            self.written[i] = p._version
