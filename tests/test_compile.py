@@ -114,19 +114,21 @@ def test_compiled_attached_model_trains_as_adamw(ratio: float, placement: str, o
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
 @pytest.mark.parametrize("placement", ["first", "last"])
-def test_compiled_attached_bf16_model_trains_as_plain(placement: str) -> None:
+@pytest.mark.parametrize("ratio", [0.4, 1.0])
+def test_compiled_attached_bf16_model_trains_as_plain(ratio: float, placement: str, order: str) -> None:
     """bf16 weights, fp32 masters: against TwinFlowAdam without attach() (it returns with every weight back)."""
     torch.manual_seed(0)
     model = Net().to("cuda", torch.bfloat16)
     ref = copy.deepcopy(model)
     batches = data("cuda", torch.bfloat16)
-    kw = dict(lr=LR, weight_decay=WD, ratio=0.5, placement=placement, chunk_bytes=32 << 10)
+    kw = dict(lr=LR, weight_decay=WD, ratio=ratio, placement=placement, chunk_bytes=32 << 10)
     ref_opt = TwinFlowAdam(ref.parameters(), **kw)
     train(torch.compile(ref), ref_opt, batches)
 
     opt = TwinFlowAdam(model.parameters(), **kw)
-    train(compiled_attached(model, opt, "compile_then_attach"), opt, batches)
+    train(compiled_attached(model, opt, order), opt, batches)
     opt.synchronize()
     ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     for i, (name, _) in enumerate(model.named_parameters()):
