@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import select
 import signal
 import statistics
 import subprocess
@@ -278,24 +279,53 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """Stops a launcher and everything it started.
+def stop_tree(proc: subprocess.Popen, grace: float = 15.0, reap: float = 60.0) -> None:
+    """Stops a launcher and everything it started, and returns once every one of them has exited.
 
     torchrun puts its workers in sessions of their own, so neither killing it nor its process group
     reaches them, and left running they would hold GPU and host memory through the next system. It
-    gets SIGTERM first (it then stops its workers itself), then whatever is left gets SIGKILL.
+    gets SIGTERM first (it then stops its workers itself), then whatever is left gets SIGKILL. The
+    launcher is reaped here; the workers are not this process's children, so they are waited for
+    through pidfds (readable once the process has exited), opened before any signal so that a
+    number the system reuses afterwards is never signalled nor waited for.
     """
-    tree = descendants(proc.pid)
+    handles = _pidfds(descendants(proc.pid))
     proc.terminate()
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        pass
-    for pid in [proc.pid, *tree, *descendants(proc.pid)]:
+        handles += _pidfds(descendants(proc.pid))  # any started meanwhile (the launcher still runs)
+    proc.kill()  # no-op when already reaped
+    proc.wait()
+    for fd in handles:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # exited already
+    poller = select.poll()
+    for fd in handles:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + reap
+    left = set(handles)
+    while left and time.monotonic() < deadline:
+        for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            poller.unregister(fd)
+            left.discard(fd)
+    for fd in handles:
+        os.close(fd)
+    if left:
+        print(f"warning: {len(left)} process(es) of {proc.args[:3]} still running {reap:.0f} s after SIGKILL",
+              flush=True)  # fmt: skip
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            pass  # exited meanwhile
+    return fds
 
 
 def run_system(system: str, args, env: dict) -> dict:

@@ -2,9 +2,10 @@
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -84,18 +85,33 @@ def test_markdown_rows_for_cpu_results_and_failures() -> None:
     assert "| ds-z3:1 | - | - | - | - | - | killed (host memory?) |" in table
 
 
+def workers_under(folder: Path) -> list[str]:
+    """Command lines of the live bench_train workers whose --result lies under `folder` (an exited process has none)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if "--worker" in args and any(a.startswith(f"{folder}/") for a in args):
+            found.append(f"{cmdline.parent.name}: {' '.join(args)}")
+    return found
+
+
 def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     # two processes under torchrun, far more steps than 12 seconds allow: the workers are mid-run at the timeout
-    cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32",
+    cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32", "--verbose",
            "--gpus", "2", "--systems", "twinflow:0.4", "--steps", "100000", "--timeout", "12",
            "--out", str(out)]  # fmt: skip
-    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=300)
+    # the workers' --result files go to a temporary folder under tmp_path: only this run's workers are looked for
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=300, env=env)
     row = json.loads(out.read_text())["rows"][0]
     assert row["status"] == "timeout" and row["wall_seconds"] < 60
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", "bench_train.py --worker"], capture_output=True, text=True)
-    assert left.stdout.strip() == "", f"workers still running: {left.stdout}"
+    assert re.search(r"\[twinflow:0\.4\] step \d+: loss", row["output_tail"])  # stopped mid-run, not before it
+    # bench_train waits until every process it stopped has exited: none may be left the moment it returns
+    assert workers_under(tmp_path) == []
 
 
 @pytest.mark.parametrize("code, output, expected", [

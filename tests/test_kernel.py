@@ -1,7 +1,7 @@
 """The C++ kernel, on every SIMD path, against torch.optim and a float64 reference."""
 
 import threading
-import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -315,33 +315,87 @@ def test_simd_env_var_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ops.resolve_simd() == 0
 
 
+def seen_mid_call(call: Callable[[], object], mid_call: Callable[[], bool]) -> int:
+    """How many times this thread finds `mid_call()` true while `call()` runs in another thread.
+
+    `mid_call` reads a state that exists only while `call` is under way, never before or after it. Finding it even
+    once means this thread ran Python code during the call, so the call let go of the GIL; a call that holds the
+    GIL from start to end can never be caught mid-way, however the threads are scheduled: it gives 0 every time.
+    No clock is read: this thread polls for as long as the worker thread is alive.
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # re-raised below, not lost in the thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    seen = 0
+    while worker.is_alive():
+        seen += bool(mid_call())
+    worker.join()
+    if errors:
+        raise errors[0]
+    return seen
+
+
+def seen_in_one_of(attempts: int, once: Callable[[], int]) -> int:
+    """The first nonzero count of up to `attempts` calls: a thread released from the GIL may still find no core."""
+    for _ in range(attempts):
+        seen = once()
+        if seen:
+            return seen
+    return 0
+
+
 def test_gil_released_while_kernel_runs() -> None:
-    """A Python thread keeps running while one long kernel call is in flight."""
+    """This thread runs Python code while one kernel call is in flight: it sees the parameter half-updated."""
     n = 12_000_000
-    tensors = [torch.randn(n) for _ in range(4)]
-    counter, stop = [0], threading.Event()
+    gen = torch.Generator().manual_seed(11)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = torch.rand(n, generator=gen) + 0.1
+    view = p.numpy()  # read with no torch call in between
+    steps = [1]
 
-    def spin() -> None:
-        while not stop.is_set():
-            counter[0] += 1
+    def once() -> int:
+        first, last = float(view[0]), float(view[-1])
+        steps[0] += 1
 
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    try:
-        time.sleep(0.05)
-        start_count, start = counter[0], time.perf_counter()
-        time.sleep(0.05)  # the spinner's rate when it has the interpreter to itself
-        rate = (counter[0] - start_count) / (time.perf_counter() - start)
-        before, t0 = counter[0], time.perf_counter()
-        ops.adam_step_(tensors[:1], tensors[1:2], tensors[2:3], tensors[3:], [1],
-                       lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=1, simd="scalar")  # fmt: skip
-        elapsed, during = time.perf_counter() - t0, counter[0] - before
-    finally:
-        stop.set()
-        spinner.join()
-    assert elapsed > 0.02, "kernel call too short to tell"
-    # Holding the GIL would leave the spinner at ~0 iterations for the whole call.
-    assert during > 0.2 * rate * elapsed, (during, rate, elapsed)
+        def step() -> None:  # one thread walks the tensor from its first element to its last
+            ops.adam_step_([p], [g], [m], [v], steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, num_threads=1,
+                           simd="scalar")  # fmt: skip
+
+        seen = seen_mid_call(step, lambda: view[0] != first and view[-1] == last)
+        assert view[0] != first and view[-1] != last  # the call moved both ends: the state above is mid-call only
+        return seen
+
+    assert seen_in_one_of(10, once) > 0
+
+
+@pytest.mark.parametrize("key", [None, lambda x: x], ids=["plain", "python-key"])
+def test_gil_check_fails_for_a_call_that_holds_the_gil(key) -> None:
+    """The same check on list.sort(), which CPython runs with the list emptied (len 0) until it is sorted.
+
+    Plain sort of ints is C code that holds the GIL throughout: never seen mid-call (the kernel test's check
+    would fail). With a Python key function the interpreter hands the GIL over while the keys are computed
+    (the list already emptied), and the same helper does see the sort mid-call.
+    """
+    unsorted = torch.randint(-(1 << 62), 1 << 62, (1_000_000,), generator=torch.Generator().manual_seed(12)).tolist()
+    expected, values = sorted(unsorted), []
+
+    def once() -> int:
+        values[:] = unsorted
+        seen = seen_mid_call(lambda: values.sort(key=key), lambda: len(values) == 0)
+        assert values == expected
+        return seen
+
+    if key is None:
+        assert once() == 0 and once() == 0
+    else:
+        assert seen_in_one_of(10, once) > 0
 
 
 def test_opcheck() -> None:

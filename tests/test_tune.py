@@ -1,5 +1,7 @@
 """ratio="auto": the choice from measured inputs (pure), and the optimizer deciding at its first step."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -28,31 +30,70 @@ def inputs(**kw) -> Inputs:
     return Inputs(**(base | kw))
 
 
+GRID = [k / 100 for k in range(101)]
+# a slow CPU (the defaults: every ratio above what memory needs costs time) and a slow GPU (the fastest ratio lies
+# inside (0, 1), and ratios just below it are predicted within 2% of it)
+RATES = {"cpu-bound": {}, "gpu-bound": {"cpu_elements_per_s": 20e9, "gpu_elements_per_s": 10e9}}
+
+
+def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool) -> None:
+    """`d` is choose_ratio's rule applied by brute force over the ratios 0, 0.01, ..., 1 (twinflow.tune's docstring):
+    the smallest of the fitting ratios predicted within 2% of the fastest fitting one; 1 when none fits."""
+    r = d["ratio"]
+    assert 0.0 <= r <= 1.0 and r in GRID, r
+    times = {q: predict_time(x, q, placement, overlap, eager) for q in GRID}
+    assert d["predicted_time_s"] == times[r] and d["predicted_peak_bytes"] == predict_peak(x, r)
+    fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes]
+    if not fitting:
+        assert r == 1.0
+        return
+    best = min(times[q] for q in fitting)
+    assert r in fitting and times[r] <= best * 1.02, (r, times[r], best)
+    assert [q for q in fitting if q < r and times[q] <= best * 1.02] == [], r  # no smaller near-fastest ratio
+    assert d["fastest_fitting_ratio"] in fitting and times[d["fastest_fitting_ratio"]] == best
+
+
 @pytest.mark.parametrize("budget_gib", [16, 24, 30, 45, 70])
 @pytest.mark.parametrize("placement", ["first", "last"])
-@pytest.mark.parametrize("eager", [False, True])
-def test_choice_fits_the_budget_and_is_fastest_among_fitting(budget_gib: int, placement: str, eager: bool) -> None:
-    x = inputs(budget_bytes=budget_gib * GIB)
-    d = choose_ratio(x, placement, overlap=True, eager=eager)
-    assert predict_peak(x, d["ratio"]) <= x.budget_bytes
-    fitting = [r / 100 for r in range(101) if predict_peak(x, r / 100) <= x.budget_bytes]
-    best = min(predict_time(x, r, placement, True, eager) for r in fitting)
-    assert d["predicted_time_s"] <= best * 1.02 + 1e-12
-    # the smallest ratio among the near-fastest: no fitting ratio below it is as fast
-    below = [r for r in fitting if r < d["ratio"]]
-    assert all(predict_time(x, r, placement, True, eager) > best * 1.02 for r in below)
+@pytest.mark.parametrize("overlap, eager", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rates", list(RATES))
+def test_choice_fits_the_budget_and_is_fastest_among_fitting(
+    budget_gib: int, placement: str, overlap: bool, eager: bool, rates: str
+) -> None:
+    x = inputs(budget_bytes=budget_gib * GIB, **RATES[rates])
+    d = choose_ratio(x, placement, overlap=overlap, eager=eager)
+    assert_is_the_choice(x, d, placement, overlap, eager)
+    assert (d["placement"], d["overlap"], d["eager"], d["inputs"]) == (placement, overlap, eager, asdict(x))
+
+
+def test_the_choice_is_neither_the_least_memory_nor_the_strictly_fastest() -> None:
+    """The parametrized cases tell the rule apart from simpler ones: a slow GPU moves work to the CPU past what
+    memory needs, and a near tie goes to the smaller ratio rather than to the fastest one."""
+    x = inputs(budget_bytes=70 * GIB, **RATES["gpu-bound"])
+    d = choose_ratio(x, "first", overlap=False, eager=False)
+    assert predict_peak(x, 0.0) <= x.budget_bytes  # ratio 0 fits, yet costs time
+    assert 0.0 < d["ratio"] < d["fastest_fitting_ratio"] < 1.0
+    assert predict_time(x, d["ratio"], "first", False, False) > predict_time(x, d["fastest_fitting_ratio"], "first",
+                                                                            False, False)  # fmt: skip
 
 
 def test_tight_memory_forces_a_high_ratio_and_plenty_allows_a_low_one() -> None:
-    tight = choose_ratio(inputs(budget_bytes=16 * GIB), "last", overlap=True, eager=True)
-    roomy = choose_ratio(inputs(budget_bytes=200 * GIB), "last", overlap=True, eager=True)
-    assert tight["ratio"] >= 0.7 and predict_peak(inputs(), tight["ratio"] - 0.01) > 16 * GIB
+    x_tight, x_roomy = inputs(budget_bytes=16 * GIB), inputs(budget_bytes=200 * GIB)
+    tight = choose_ratio(x_tight, "last", overlap=True, eager=True)
+    roomy = choose_ratio(x_roomy, "last", overlap=True, eager=True)
+    assert_is_the_choice(x_tight, tight, "last", True, True)
+    assert_is_the_choice(x_roomy, roomy, "last", True, True)
+    assert 0.7 <= tight["ratio"] <= 1.0 and predict_peak(x_tight, tight["ratio"]) <= 16 * GIB
+    assert predict_peak(x_tight, tight["ratio"] - 0.01) > 16 * GIB  # the least that fits: more only costs time
     assert roomy["ratio"] == 0.0
 
 
 def test_nothing_fits_chooses_everything_on_the_cpu() -> None:
-    d = choose_ratio(inputs(budget_bytes=GIB), "first", overlap=False, eager=False)
+    x = inputs(budget_bytes=GIB)
+    assert predict_peak(x, 1.0) > x.budget_bytes
+    d = choose_ratio(x, "first", overlap=False, eager=False)
     assert d["ratio"] == 1.0
+    assert_is_the_choice(x, d, "first", False, False)
 
 
 def test_eager_last_hides_more_cpu_work_than_first() -> None:
@@ -74,28 +115,39 @@ def test_first_step_peak_counts_when_gradients_are_still_on_the_device() -> None
     assert predict_peak(x, 0.3) == 10 * GIB + state
 
 
-def test_budget_caps_the_device_memory() -> None:
+def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import twinflow.tune
     from twinflow.tune import IterationProbe
 
+    probe = twinflow.tune.cpu_kernel_rate  # still measured, on 64 Ki elements rather than 1 GiB of state
+    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda num_threads: probe(num_threads, 1 << 16))
+
     model = torch.nn.Linear(8, 8)
+    params = list(model.parameters())
+    for budget, budget_bytes, ratio in ((0, 0, 1.0), (1000, 900, 0.0)):  # the margin is kept below a budget too
+        d = IterationProbe(torch.device("cpu")).decide(
+            params, placement="first", eager=False, release_grads=False, margin=0.1, budget=budget, num_threads=1,
+        )  # fmt: skip
+        assert d["inputs"]["budget_bytes"] == budget_bytes and d["ratio"] == ratio
+        assert_is_the_choice(Inputs(**d["inputs"]), d, "first", False, False)
+    # 72 fp32 elements' device state (master and moments: 8 bytes each) fits in 900 bytes, and not in 500
+    assert predict_peak(Inputs(**d["inputs"]), 0.0) == 576
     d = IterationProbe(torch.device("cpu")).decide(
-        list(model.parameters()), placement="first", eager=False, release_grads=False, margin=0.1, budget=0,
-        num_threads=1,
+        params, placement="first", eager=False, release_grads=False, margin=0.0, budget=500, num_threads=1,
     )  # fmt: skip
-    assert d["inputs"]["budget_bytes"] == 0 and d["ratio"] == 1.0
-    d = IterationProbe(torch.device("cpu")).decide(
-        list(model.parameters()), placement="first", eager=False, release_grads=False, margin=0.1, budget=1000,
-        num_threads=1,
-    )  # fmt: skip
-    assert d["inputs"]["budget_bytes"] == 900  # the margin is kept below an explicit budget too
+    assert 0.0 < d["ratio"] < 1.0 and d["ratio"] == 0.14  # 0.86 * 576 = 495.4 bytes fit, 0.87 * 576 do not
+    assert_is_the_choice(Inputs(**d["inputs"]), d, "first", False, False)
 
 
-def test_optimizer_decides_at_first_step_and_then_matches_adamw() -> None:
+@pytest.mark.parametrize("attached, placement", [(True, "first"), (False, "last")])
+def test_optimizer_decides_at_first_step_and_then_matches_adamw(attached: bool, placement: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     ref.load_state_dict(model.state_dict())
-    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio="auto", chunk_bytes=1024).attach(model)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio="auto", placement=placement, chunk_bytes=1024)
+    if attached:
+        opt.attach(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)  # the same defaults, weight decay 0.01 included
     with pytest.raises(RuntimeError, match="decided at the first step"):
         opt.state_dict()
@@ -108,7 +160,14 @@ def test_optimizer_decides_at_first_step_and_then_matches_adamw() -> None:
             o.zero_grad()
     opt.synchronize()
     d = opt.auto_decision
-    assert d is not None and 0.0 <= opt.ratio <= 1.0 and opt.split_summary["ratio_requested"] == "auto"
-    assert d["inputs"]["forward_s"] > 0 and d["inputs"]["cpu_elements_per_s"] > 0
+    assert d is not None and opt.split_summary["ratio_requested"] == "auto"
+    assert 0.0 <= d["ratio"] <= 1.0 and opt.ratio == d["ratio"] == opt.split_summary["ratio_achieved"]
+    assert (d["placement"], d["overlap"], d["eager"]) == (placement, attached, attached)
+    assert_is_the_choice(Inputs(**d["inputs"]), d, placement, attached, attached)
+    assert (d["inputs"]["forward_s"] > 0) == attached and d["inputs"]["cpu_elements_per_s"] > 0
+    # Parameters on the CPU: no GPU to offload from, so the device side (here the CPU) is free and fastest.
+    # Every ratio fits the unbounded budget, and any CPU share only adds kernel time: 'auto' picks 0.
+    assert d["inputs"]["gpu_elements_per_s"] == float("inf") and d["inputs"]["budget_bytes"] > 1 << 60
+    assert opt.ratio == 0.0 and opt.split_summary["cpu"]["elements"] == 0
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
