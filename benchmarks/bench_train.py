@@ -16,7 +16,9 @@ step runs on the CPU):
 
 Every system trains the same model shape (random init, activation
 checkpointing) on the same random tokens, with AdamW (lr 1e-5, weight decay
-0.01, no clipping), in a process of its own (under torchrun with --gpus
+0.01; --clip N clips every system's gradients to global norm N: torch's
+clip_grad_norm_ before the step, twinflow's and DeepSpeed's
+gradient_clipping), in a process of its own (under torchrun with --gpus
 processes), one system after the other. A system that fails (out of memory,
 missing package, timeout) is recorded with the tail of its output and the
 run goes on. The JSON is rewritten after every system, so a run cut short
@@ -82,7 +84,7 @@ def parse_system(text: str) -> tuple[str, float | None]:
 # ----------------------------------------------------------------------------- worker (one system)
 
 
-def deepspeed_config(name: str, ratio: float, micro: int) -> dict:
+def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
     zero: dict = {"stage": 2 if name == "ds-z2" else 3, **DS_ZERO}
     if ratio > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -94,12 +96,13 @@ def deepspeed_config(name: str, ratio: float, micro: int) -> dict:
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": zero,
+        "gradient_clipping": clip,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
 
-def twinflow_config(ratio: float, micro: int, world: int, placement: str) -> dict:
+def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -108,6 +111,7 @@ def twinflow_config(ratio: float, micro: int, world: int, placement: str) -> dic
         "zero_optimization": {"stage": 3 if world > 1 else 0},
         "offload_ratio": ratio,
         "offload_placement": placement,
+        "gradient_clipping": clip,
         "steps_per_print": 10**9,
     }
 
@@ -128,6 +132,8 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -140,6 +146,8 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
         def one_step(tokens):
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad()
             return loss
@@ -147,13 +155,13 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
     elif name == "twinflow":
         import twinflow
 
-        config = twinflow_config(ratio, args.micro_batch, world, args.placement)
+        config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip)
         engine, _, _, _ = twinflow.initialize(model=model, config=config)
         finish = engine.local_optimizer.synchronize
     else:  # DeepSpeed
         import deepspeed
 
-        config = deepspeed_config(name, ratio, args.micro_batch)
+        config = deepspeed_config(name, ratio, args.micro_batch, args.clip)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     if name in ("twinflow", "ds-z3", "ds-z2"):  # the same engine calls for both
@@ -334,7 +342,7 @@ def run_system(system: str, args, env: dict) -> dict:
         worker_args = [str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
                        "--model", args.model, "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
                        "--steps", str(args.steps), "--warmup", str(args.warmup),
-                       "--placement", args.placement]  # fmt: skip
+                       "--placement", args.placement, "--clip", str(args.clip)]  # fmt: skip
         if args.verbose:
             worker_args.append("--verbose")
         if system.startswith("ds-") and torch.cuda.is_available():
@@ -433,6 +441,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps-for", nargs="*", default=[], metavar="SYSTEM=N",
                         help="timed (and warm-up) steps of one system, e.g. ds-z3:1=3,1")  # fmt: skip
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="clip every system's gradients to this global norm (0: no clipping)")  # fmt: skip
     parser.add_argument("--placement", default="last", choices=("first", "last"), help="twinflow's CPU share")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS for every system (default: cores / processes)")  # fmt: skip
@@ -479,6 +489,7 @@ def main() -> None:
             "steps": args.steps,
             "warmup": args.warmup,
             "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}",
+            "clip": args.clip,
             "activation_checkpointing": "non-reentrant",
             "deepspeed_zero": DS_ZERO,
             "twinflow_placement": args.placement,

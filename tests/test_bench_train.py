@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_train import failure, markdown, parse_system
+from benchmarks.bench_train import deepspeed_config, failure, markdown, parse_system, twinflow_config
 from twinflow.models import build_opt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
     cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32",
            "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
            "--systems", "amp", "torchao", "twinflow:0.4", "--steps-for", "twinflow:0.4=3,1",
-           "--out", str(out)]  # fmt: skip
+           "--clip", "1.0", "--out", str(out)]  # fmt: skip
     printed = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=600).stdout
     result = json.loads(out.read_text())
     rows = {r["system"]: r for r in result["rows"]}
@@ -65,6 +65,18 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
     assert abs(rows["amp"]["losses"][0] - rows["twinflow:0.4"]["losses"][0]) < 0.05
     assert rows["twinflow:0.4"]["ratio"] == 0.4 and result["markdown"] in printed
     assert "| torchao | - |" in result["markdown"]
+    assert result["workload"]["clip"] == 1.0
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_clip_reaches_the_engines_configs(clip: float) -> None:
+    """--clip is DeepSpeed's and twinflow's gradient_clipping (0: none); torch systems clip before the step."""
+    assert deepspeed_config("ds-z3", 0.4, 2, clip)["gradient_clipping"] == clip
+    assert deepspeed_config("ds-z2", 1.0, 2, clip)["gradient_clipping"] == clip
+    import twinflow
+
+    config = twinflow.load_config(twinflow_config(0.4, 2, 1, "last", clip), world_size=1)
+    assert config.gradient_clipping == clip
 
 
 def test_bad_steps_for_is_refused_before_anything_runs() -> None:

@@ -312,15 +312,6 @@ def test_parameters_read_without_their_owners_forward_are_waited_for(lazy_cpu_si
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
-def test_attach_is_refused_under_a_multi_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = make("cpu", torch.float32)
-    opt = TwinFlowAdam(model.parameters(), ratio=0.5)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
-    with pytest.raises(RuntimeError, match="all-reduce"):
-        opt.attach(model)
-
-
 def test_skipped_step_does_not_leak_its_clipping_coefficient() -> None:
     """clip_grad_norm_, then zero_grad without a step: the next step clips by its own norm only."""
     results = []

@@ -14,7 +14,8 @@ What it does with a config (see :mod:`twinflow.config`):
   ``step`` steps only at the boundary.
 - one process: TwinFlowAdam is attached to the model (gradients stream in
   backward, the CPU overlaps). Several processes (torchrun): stage 0 wraps the
-  model in DDP; stage 1 also shards the optimizer state with
+  model in DDP, and TwinFlowAdam is attached to it (each bucket streams once
+  DDP has averaged it); stage 1 also shards the optimizer state with
   ``torch.distributed.optim.ZeroRedundancyOptimizer``, each rank's share
   stepped by TwinFlowAdam at the configured ratio; stages 2 and 3 shard the
   model with FSDP2 (``fully_shard``; reshard after forward off for 2, on for
@@ -123,6 +124,8 @@ class Engine:
             self.optimizer = self.local_optimizer = TwinFlowAdam(params, **kwargs)
         if not distributed:
             self.local_optimizer.attach(model)
+        elif stage == 0:  # gradients stream once DDP has averaged them
+            self.local_optimizer.attach(self.network)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.global_steps = 0
         self.micro_steps = 0

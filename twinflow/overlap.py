@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -40,12 +41,16 @@ class Attachment:
                 "eager=True cannot be combined with max_grad_norm or fp16 parameters: both need every gradient "
                 "before any update; leave eager unset"
             )
-        if distributed.multi_process():
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self.ddp = model if isinstance(model, ddp) else None  # gradients stream once DDP has averaged them
+        if distributed.multi_process() and self.ddp is None:
             raise RuntimeError(
-                "TwinFlowAdam.attach() under torch.distributed: its hooks read each gradient before DDP's "
-                "all-reduce has averaged it. Use TwinFlowAdam without attach() there (step() runs after "
-                "the all-reduce)"
+                "TwinFlowAdam.attach() on several processes takes the DistributedDataParallel model itself "
+                "(opt.attach(ddp_model)): gradients then stream once DDP has averaged them. FSDP2 (fully_shard) "
+                "and ZeroRedundancyOptimizer are not supported under attach() yet: use TwinFlowAdam without "
+                "attach() there (step() runs after the reduction)"
             )
+        self.lock = threading.Lock()  # under DDP, reduced buckets arrive on communication threads
         self.opt, self.model = opt, model
         self.release_grads, self.eager = release_grads, eager
         self.handles: list[Any] = []
@@ -80,7 +85,9 @@ class Attachment:
         large = [i for i in kept if split.locals[i].numel() >= 1024]  # not a bias, whose gradient may be 0
         sizes = {i: split.locals[i].numel() for i in kept}
         self.witness = min(large, key=sizes.get) if large else (max(kept, key=sizes.get) if kept else None)
-        for i in trainable:
+        if self.ddp is not None:  # DDP's communication hook streams the CPU share; the witness is its copy
+            _hook_reduced_buckets(self.ddp).attachment = self
+        for i in trainable if self.ddp is None else ():
             hook = _OnGrad(self) if i in pipeline.pieces_of else _NoteGrad(self)
             self.handles.append(split.params[i].register_post_accumulate_grad_hook(hook))
         # A module's pre-hook waits for its own parameters and its direct children's: modules such as
@@ -110,6 +117,8 @@ class Attachment:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if getattr(self.ddp, "_twinflow_reduced", None) is not None:
+            self.ddp._twinflow_reduced.attachment = None
 
     def on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: the gradient of a CPU-stepped parameter is final; send it down."""
@@ -132,6 +141,28 @@ class Attachment:
             self.released_grad_bytes += grad.numel() * grad.element_size()
             p.grad = None
 
+    def on_reduced(self, bucket: Any, reduced: torch.Tensor) -> None:
+        """DDP's communication hook: `reduced` holds the bucket's gradients averaged over the ranks, one after
+        the other in the bucket's parameter order; the CPU share goes down from there."""
+        opt, split = self.opt, self.opt._split
+        if not opt.sync_gradients:  # a micro-step inside opt.no_sync() that DDP still reduced: not final yet
+            return
+        offset = 0
+        for p in bucket.parameters():
+            grad, offset = reduced[offset : offset + p.numel()].view_as(p), offset + p.numel()
+            i = split.index.get(id(p))
+            if i == self.witness:
+                self.witness_grad = grad.detach().clone()
+            if i is None or i not in split.pipeline.pieces_of:
+                continue
+            with self.lock:
+                if split.pipeline.phase != "open":
+                    opt._open_step(opt._step_args() if self.eager else None)
+            if not self.eager:
+                opt._scale.add_norm(grad)
+            split.pipeline.download(i, grad)
+            self.streamed.add(i)
+
     def refuse_after_eager(self, what: str) -> None:
         """`what` (a clip, an unscale) cannot reach a CPU share that stepped during backward."""
         if self.streamed and self.eager:
@@ -149,11 +180,19 @@ class Attachment:
     def check_grads_untouched(self, with_grad: list[int]) -> None:
         """Gradients changed after backward (an outside clip) cannot reach what already streamed: refused."""
         params = self.opt._split.params
+        w, copy = self.witness, self.witness_grad
+        if self.ddp is not None:  # no version to compare (DDP writes the averages in): the witness's values
+            if copy is not None and not torch.equal(distributed.local(params[w].grad), copy):
+                raise RuntimeError(
+                    f"gradient of parameter {w} was changed after backward (by torch.nn.utils.clip_grad_norm_?) "
+                    "while TwinFlowAdam is attached to a DDP model: the CPU share's gradients left as DDP "
+                    "averaged them, so the change cannot reach them. Clip with TwinFlowAdam(max_grad_norm=...)"
+                )
+            return
         changed = [i for i in with_grad if params[i].grad is not None and i in self.grad_version
                    and params[i].grad._version != self.grad_version[i]]  # fmt: skip
         if not changed:
             return
-        w, copy = self.witness, self.witness_grad
         if w in changed and copy is not None and torch.equal(distributed.local(params[w].grad), copy):
             # Written with the same values: clip_grad_norm_ multiplied by 1 (Hugging Face Trainer's logged norm,
             # max_norm=inf). Exact only if the clipper saw every gradient; released ones it could not see.
@@ -172,6 +211,38 @@ class Attachment:
             "TwinFlowAdam(max_grad_norm=...) (with Hugging Face Trainer, set max_grad_norm=0 in "
             "TrainingArguments so it does not clip again), or do not attach()"
         )
+
+
+class _ReducedBuckets:
+    """The state of the communication hook on a DDP model (registered once per model, as DDP allows): the
+    attachment it streams for, or None (detached: a plain all-reduce)."""
+
+    def __init__(self, process_group: object) -> None:
+        self.process_group = process_group
+        self.attachment: Attachment | None = None
+
+    def __deepcopy__(self, memo: dict) -> _ReducedBuckets:
+        return _ReducedBuckets(self.process_group)
+
+
+def _hook_reduced_buckets(ddp: torch.nn.parallel.DistributedDataParallel) -> _ReducedBuckets:
+    state = getattr(ddp, "_twinflow_reduced", None)
+    if state is None:
+        state = ddp._twinflow_reduced = _ReducedBuckets(ddp.process_group)
+        ddp.register_comm_hook(state, _all_reduce_then_stream)
+    return state
+
+
+def _all_reduce_then_stream(state: _ReducedBuckets, bucket):  # noqa: ANN001, ANN201 (DDP checks the annotations)
+    """DDP's default all-reduce (average); once done, the attachment streams the bucket's CPU share."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def reduced(fut: torch.futures.Future) -> torch.Tensor:
+        if state.attachment is not None:
+            state.attachment.on_reduced(bucket, fut.value())
+        return fut.value()
+
+    return allreduce_hook(state.process_group, bucket).then(reduced)
 
 
 class _AttachmentHook:

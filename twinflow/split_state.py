@@ -105,7 +105,9 @@ class SplitState:
             self.pipeline = HostPipeline(self.locals, self.group_of, host_segments, chunk_bytes, self.device,
                                          num_threads)  # fmt: skip
             weakref.finalize(self, self.pipeline.close)
-        return self._summary(ratio, placement)
+        summary = self._summary(ratio, placement)
+        log.info("TwinFlowAdam split: %s", summary)
+        return summary
 
     def _summary(self, ratio: float, placement: str) -> dict[str, Any]:
         def side(states: list[SegmentState]) -> dict[str, int]:

@@ -95,7 +95,6 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def _build(self) -> None:
         self.split_summary = self._split.build(self.ratio, self.placement, self.chunk_bytes, self.num_threads)
         self.split_summary["ratio_requested"] = "auto" if self.auto_ratio else self.ratio
-        log.info("TwinFlowAdam split: %s", self.split_summary)
         if self._attachment is not None:
             self._attachment.install()
 
@@ -115,6 +114,11 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._build()
         self._split.take_over(old)
         return True
+
+    @property
+    def attached(self) -> bool:
+        """Whether ``attach()`` overlaps the CPU share with backward and the next forward."""
+        return self._attachment is not None
 
     @property
     def released_grad_bytes(self) -> int:
@@ -319,14 +323,14 @@ class TwinFlowAdam(torch.optim.Optimizer):
             return
         settings = dict(ours["settings"])
         settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
-        hyper = {k: state["defaults"][k] for k in ("lr", "betas", "eps", "weight_decay", "adamw_mode",
-                                                   "bias_correction")}  # fmt: skip
+        hyper = {k: state["defaults"][k] for k in _HYPER}
         TwinFlowAdam.__init__(self, state["param_groups"], **hyper, **settings)
         self.skipped_steps = ours["skipped_steps"]
         if ours["state"]:
             self._split.load(ours["state"])
 
 
+_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SETTINGS = ("ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "memory_margin", "memory_budget")
 
 

@@ -1,0 +1,133 @@
+"""attach() under DistributedDataParallel: the CPU share streams once DDP has averaged a bucket.
+
+Two ranks on the CPU (gloo), each with half of every batch, against one
+process with the whole batch and torch.optim.AdamW (clipped by
+clip_grad_norm_ where TwinFlowAdam clips with max_grad_norm). A single-rank
+group in this process runs the race test: the CPU side steps a chunk only
+once the next forward waits for it (``lazy_cpu_side``), so a module that
+does not wait reads its old weights and the run ends away from AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from twinflow import TwinFlowAdam
+
+LR, WD, STEPS = 3e-3, 0.01, 6
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 48), torch.nn.GELU(), torch.nn.Linear(48, 24), torch.nn.GELU(),
+                               torch.nn.Linear(24, 10))  # fmt: skip
+
+
+def batches(seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 10, generator=gen), 3 * torch.randn(4, 10, generator=gen)) for _ in range(STEPS)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(clip: float | None) -> list[torch.Tensor]:
+    """One process, the whole batch: AdamW, clipped over the whole model as TwinFlowAdam's max_grad_norm."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for x, y in batches():
+        F.mse_loss(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, port: int, ratio: float, placement: str, clip: float | None, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+        opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
+                           max_grad_norm=clip, chunk_bytes=1024).attach(ddp)  # fmt: skip
+        assert opt.attached and opt.split_summary["chunks"] > 1
+        for x, y in batches():
+            F.mse_loss(ddp(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
+            # the CPU share went down during backward, from DDP's averaged buckets, not at step()
+            assert opt._split.pipeline.phase == "open" and opt._attachment.streamed
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("clip", [1.0, None], ids=["clip1", "eager"])
+@pytest.mark.parametrize(("ratio", "placement"), [(0.4, "first"), (0.4, "last"), (1.0, "first")])
+def test_two_ranks_attached_to_ddp_match_one_process(tmp_path, ratio: float, placement: str, clip) -> None:
+    mp.spawn(_worker, args=(free_port(), ratio, placement, clip, str(tmp_path)), nprocs=2, join=True)
+    want = reference(clip)
+    moved = [w - p for w, p in zip(want, make_model().parameters())]
+    assert all(m.abs().max() > 1e-3 for m in moved)  # the run trains: a step left out would show
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def single_rank_group():
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                         world_size=1)  # fmt: skip
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("placement", ["first", "last"])
+def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_side, placement: str) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=0.6, placement=placement,
+                       chunk_bytes=1024).attach(ddp)  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for x, y in batches():
+        for net, o in ((ddp, opt), (ref, ref_opt)):
+            F.mse_loss(net(x), y).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_outside_clip_under_ddp_attach_is_refused(single_rank_group) -> None:
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.4, placement="last").attach(ddp)
+    x, y = batches()[0]
+    (100 * F.mse_loss(ddp(x), y)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed after backward.*DDP"):
+        opt.step()
+
+
+def test_attach_under_several_processes_needs_the_ddp_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    opt = TwinFlowAdam(make_model().parameters(), ratio=0.5)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel model itself"):
+        opt.attach(make_model())
