@@ -88,17 +88,20 @@ def test_two_ranks_attached_to_ddp_match_one_process(tmp_path, ratio: float, pla
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture
-def single_rank_group():
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def single_rank_group(request: pytest.FixtureRequest) -> str:
+    """A one-process group in this process (gloo on the CPU, NCCL on one GPU); yields the device."""
+    backend = "nccl" if request.param == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                          world_size=1)  # fmt: skip
-    yield
+    yield request.param
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("placement", ["first", "last"])
 def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_side, placement: str) -> None:
-    model = make_model()
+    device = single_rank_group
+    model = make_model().to(device)
     ref = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
     opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=0.6, placement=placement,
@@ -106,7 +109,7 @@ def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     for x, y in batches():
         for net, o in ((ddp, opt), (ref, ref_opt)):
-            F.mse_loss(net(x), y).backward()
+            F.mse_loss(net(x.to(device)), y.to(device)).backward()
             o.step()
             o.zero_grad()
     opt.synchronize()
@@ -115,10 +118,10 @@ def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_
 
 
 def test_outside_clip_under_ddp_attach_is_refused(single_rank_group) -> None:
-    model = make_model()
+    model = make_model().to(single_rank_group)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.4, placement="last").attach(ddp)
-    x, y = batches()[0]
+    x, y = (t.to(single_rank_group) for t in batches()[0])
     (100 * F.mse_loss(ddp(x), y)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="changed after backward.*DDP"):
