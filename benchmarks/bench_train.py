@@ -117,12 +117,13 @@ def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: 
 
 
 def build(name: str, ratio: float | None, args, device: str, world: int):
-    """(model, one_step(tokens) -> loss, finish()) for a system."""
+    """(model, one_step(tokens) -> loss, finish(), report() -> dict of the system's own figures) for a system."""
     from twinflow.models import build_opt
 
     dtype = torch.float32 if name == "amp" else torch.bfloat16
     model = build_opt(args.model, device, dtype)
     finish = lambda: None  # noqa: E731
+    report = lambda: {}  # noqa: E731
 
     if name in ("amp", "bf16"):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device != "cpu")
@@ -157,7 +158,10 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
 
         config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip)
         engine, _, _, _ = twinflow.initialize(model=model, config=config)
-        finish = engine.local_optimizer.synchronize
+        opt = engine.local_optimizer
+        finish = opt.synchronize
+        # released: device gradient memory handed back during the last backward (attached, wholly CPU-stepped)
+        report = lambda: {"attached": opt.attached, "released_grad_gib": opt.released_grad_bytes / 2**30}  # noqa: E731
     else:  # DeepSpeed
         import deepspeed
 
@@ -172,7 +176,7 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
             engine.step()
             return loss
 
-    return model, one_step, finish
+    return model, one_step, finish, report
 
 
 def worker(args) -> None:
@@ -189,7 +193,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
 
     built = time.perf_counter()
-    model, one_step, finish = build(name, ratio, args, device, world)
+    model, one_step, finish, report = build(name, ratio, args, device, world)
     init_seconds = time.perf_counter() - built
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1 + rank)
@@ -234,6 +238,7 @@ def worker(args) -> None:
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
         "peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        **report(),
     }
     Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
@@ -254,6 +259,9 @@ def merge(parts: list[dict]) -> dict:
     reserved = [r["peak_gpu_reserved_gib"] for r in parts if r["peak_gpu_reserved_gib"] is not None]
     row["peak_gpu_reserved_gib"] = max(reserved) if reserved else None
     row["peak_host_rss_gib"] = sum(r["peak_host_rss_gib"] for r in parts)
+    if "released_grad_gib" in first:  # per rank, in rank order
+        row["released_grad_gib_per_rank"] = [r["released_grad_gib"] for r in sorted(parts, key=lambda r: r["rank"])]
+        row["attached"] = first["attached"]
     row["status"] = "ok"
     return row
 

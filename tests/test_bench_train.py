@@ -66,6 +66,10 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
     assert rows["twinflow:0.4"]["ratio"] == 0.4 and result["markdown"] in printed
     assert "| torchao | - |" in result["markdown"]
     assert result["workload"]["clip"] == 1.0
+    # twinflow reports whether it overlapped and the gradient memory it released, per rank
+    released = rows["twinflow:0.4"]["released_grad_gib_per_rank"]
+    assert rows["twinflow:0.4"]["attached"] is True and len(released) == 1 and released[0] > 0
+    assert "released_grad_gib_per_rank" not in rows["amp"]
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
