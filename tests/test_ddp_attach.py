@@ -1,4 +1,5 @@
-"""attach() under DistributedDataParallel: the CPU share streams once DDP has averaged a bucket.
+"""attach() on several processes: the CPU share streams once reduced, under DDP (its averaged buckets, from a
+communication hook) and FSDP2 (its reduce-scattered shards, from the post-accumulate-grad hooks FSDP2 runs).
 
 Two ranks on the CPU (gloo), each with half of every batch, against one
 process with the whole batch and torch.optim.AdamW (clipped by
@@ -54,31 +55,47 @@ def reference(clip: float | None) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, port: int, ratio: float, placement: str, clip: float | None, out: str) -> None:
+def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    """The user's own distributed model: DDP (small buckets: several), or FSDP2 on each Linear and the root."""
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _worker(rank: int, port: int, how: str, ratio: float, placement: str, clip: float | None, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+        net = wrap(model, how)
         opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
-                           max_grad_norm=clip, chunk_bytes=1024).attach(ddp)  # fmt: skip
+                           max_grad_norm=clip, chunk_bytes=512).attach(net)  # fmt: skip
         assert opt.attached and opt.split_summary["chunks"] > 1
         for x, y in batches():
-            F.mse_loss(ddp(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
-            # the CPU share went down during backward, from DDP's averaged buckets, not at step()
+            F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
+            # the CPU share went down during backward, once reduced, not at step()
             assert opt._split.pipeline.phase == "open" and opt._attachment.streamed
+            # FSDP2's reduced shards of wholly CPU-stepped parameters are handed back; DDP's buckets hold them all
+            assert (opt.released_grad_bytes > 0) == (how == "fsdp2")
             opt.step()
             opt.zero_grad()
         opt.synchronize()
-        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"rank{rank}.pt"))
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+        torch.save([p.detach().clone() for p in whole], os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("clip", [1.0, None], ids=["clip1", "eager"])
 @pytest.mark.parametrize(("ratio", "placement"), [(0.4, "first"), (0.4, "last"), (1.0, "first")])
-def test_two_ranks_attached_to_ddp_match_one_process(tmp_path, ratio: float, placement: str, clip) -> None:
-    mp.spawn(_worker, args=(free_port(), ratio, placement, clip, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_two_ranks_attached_match_one_process(tmp_path, how: str, ratio: float, placement: str, clip) -> None:
+    mp.spawn(_worker, args=(free_port(), how, ratio, placement, clip, str(tmp_path)), nprocs=2, join=True)
     want = reference(clip)
     moved = [w - p for w, p in zip(want, make_model().parameters())]
     assert all(m.abs().max() > 1e-3 for m in moved)  # the run trains: a step left out would show
@@ -99,11 +116,12 @@ def single_rank_group(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.mark.parametrize("placement", ["first", "last"])
-def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_side, placement: str) -> None:
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_side, how: str, placement: str) -> None:
     device = single_rank_group
     model = make_model().to(device)
     ref = copy.deepcopy(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    ddp = wrap(model, how)
     opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=0.6, placement=placement,
                        chunk_bytes=1024).attach(ddp)  # fmt: skip
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
@@ -114,6 +132,7 @@ def test_ddp_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_
             o.zero_grad()
     opt.synchronize()
     for p, q in zip(model.parameters(), ref.parameters()):
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -132,5 +151,5 @@ def test_attach_under_several_processes_needs_the_ddp_model(monkeypatch: pytest.
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
     opt = TwinFlowAdam(make_model().parameters(), ratio=0.5)
-    with pytest.raises(RuntimeError, match="DistributedDataParallel model itself"):
+    with pytest.raises(RuntimeError, match="DistributedDataParallel model itself.*fully_shard"):
         opt.attach(make_model())

@@ -172,8 +172,8 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
             assert type(opt).__name__ == "ZeroRedundancyOptimizer" and 0 < len(local) < 4
         else:
             assert opt is engine.local_optimizer and len(local) == 4
-        # stage 0: gradients stream to the CPU share once DDP has averaged them (its communication hook)
-        assert engine.local_optimizer.attached == (stage == 0)
+        # stages 0, 2, 3: gradients stream to the CPU share once reduced (DDP's buckets, FSDP2's shards)
+        assert engine.local_optimizer.attached == (stage != 1)
         if stage >= 2:  # FSDP2: TwinFlowAdam holds this rank's shards
             assert type(local[0]).__name__ == "DTensor" and opt.split_summary["cpu"]["elements"] > 0
         data = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(12, 4, seed=5)]

@@ -46,6 +46,15 @@ def any_rank(flag: torch.Tensor, group: object) -> torch.Tensor:
     return flag
 
 
+def is_fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether `module` is an FSDP2 (``fully_shard``) module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without torch.distributed, or before FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def multi_process() -> bool:
     """Whether torch.distributed runs with more than one process."""
     import torch.distributed as dist

@@ -17,9 +17,10 @@ What it does with a config (see :mod:`twinflow.config`):
   model in DDP, and TwinFlowAdam is attached to it (each bucket streams once
   DDP has averaged it); stage 1 also shards the optimizer state with
   ``torch.distributed.optim.ZeroRedundancyOptimizer``, each rank's share
-  stepped by TwinFlowAdam at the configured ratio; stages 2 and 3 shard the
-  model with FSDP2 (``fully_shard``; reshard after forward off for 2, on for
-  3) and TwinFlowAdam steps each rank's local shards.
+  stepped by TwinFlowAdam at the configured ratio (not attached); stages 2
+  and 3 shard the model with FSDP2 (``fully_shard``; reshard after forward
+  off for 2, on for 3) and TwinFlowAdam, attached, steps each rank's local
+  shards as their reduce-scatter lands.
 - checkpoints: :mod:`twinflow.checkpoint` (atomic, one shard per rank).
 
 Refused with a ConfigError: fp16 with stage 1 on several processes.
@@ -124,7 +125,7 @@ class Engine:
             self.optimizer = self.local_optimizer = TwinFlowAdam(params, **kwargs)
         if not distributed:
             self.local_optimizer.attach(model)
-        elif stage == 0:  # gradients stream once DDP has averaged them
+        elif stage != 1:  # gradients stream once reduced: DDP's averaged buckets, FSDP2's reduce-scattered shards
             self.local_optimizer.attach(self.network)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer) if config.scheduler else None
         self.global_steps = 0

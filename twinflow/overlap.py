@@ -43,12 +43,15 @@ class Attachment:
             )
         ddp = torch.nn.parallel.DistributedDataParallel
         self.ddp = model if isinstance(model, ddp) else None  # gradients stream once DDP has averaged them
-        if distributed.multi_process() and self.ddp is None:
+        # FSDP2 runs the post-accumulate-grad hooks of its sharded parameters after each reduce-scatter, with the
+        # reduced shard as the gradient: those stream as on one GPU.
+        self.fsdp = distributed.is_fully_sharded(model)
+        if distributed.multi_process() and self.ddp is None and not self.fsdp:
             raise RuntimeError(
                 "TwinFlowAdam.attach() on several processes takes the DistributedDataParallel model itself "
-                "(opt.attach(ddp_model)): gradients then stream once DDP has averaged them. FSDP2 (fully_shard) "
-                "and ZeroRedundancyOptimizer are not supported under attach() yet: use TwinFlowAdam without "
-                "attach() there (step() runs after the reduction)"
+                "(opt.attach(ddp_model)) or the root fully_shard (FSDP2) model: gradients then stream once they "
+                "are reduced. ZeroRedundancyOptimizer is not supported under attach(): use TwinFlowAdam "
+                "without attach() there (step() runs after the reduction)"
             )
         self.lock = threading.Lock()  # under DDP, reduced buckets arrive on communication threads
         self.opt, self.model = opt, model
@@ -94,7 +97,11 @@ class Attachment:
         # nn.MultiheadAttention read a child's weight without calling the child, and containers
         # (ParameterList) have no forward of their own. Coverage is counted per parameter.
         covered: set[int] = set()
-        for module in model.modules():
+        if self.fsdp:  # FSDP2 gathers its next modules' weights ahead, on its own streams: all before the root's
+            all_chunks = list(range(len(pipeline.chunks)))
+            self.handles.append(model.register_forward_pre_hook(_WaitFor(pipeline, all_chunks), prepend=True))
+            covered = set(pipeline.chunks_of)
+        for module in model.modules() if not self.fsdp else ():
             owned = list(module.parameters(recurse=False))
             for child in module.children():
                 owned += list(child.parameters(recurse=False))
