@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
         if stage >= 2:  # FSDP2: TwinFlowAdam holds this rank's shards
             assert type(local[0]).__name__ == "DTensor" and opt.split_summary["cpu"]["elements"] > 0
         data = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(12, 4, seed=5)]
-        if stage == 3:  # also: a checkpoint saved by 2 ranks resumes on 2 ranks with the same losses
+        if stage in (0, 3):  # also (attached): a checkpoint saved by 2 ranks resumes on 2 ranks with the same losses
             engine_losses(engine, data[:8])
             engine.save_checkpoint(os.path.join(out, "ckpt"))
             tail = engine_losses(engine, data[8:])
