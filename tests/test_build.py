@@ -105,3 +105,24 @@ def test_a_slow_build_prints_one_visible_line(monkeypatch: pytest.MonkeyPatch, c
     ops._build_and_load()
     err = capsys.readouterr().err
     assert err.count("twinflow: compiling the CPU Adam kernel") == 1 and "first use only" in err
+
+
+def test_a_lock_left_by_a_killed_build_is_named_not_waited_for_forever(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path) -> None:  # fmt: skip
+    """torch waits forever on a build lock whose builder was killed; twinflow gives up and names the file."""
+    from torch.utils import cpp_extension
+
+    lock = tmp_path / "twinflow_cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(ops, "_LOCK_WAIT_S", 0.0)
+    monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
+
+    def build(**kwargs) -> None:
+        raise AssertionError("the build started with the lock still held: torch would wait for it forever")
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    with pytest.raises(ops.BuildError, match=rf"build lock {lock}.*delete that file"):
+        ops._build_and_load()
+    assert lock.exists()  # never deleted for the user: another build may hold it

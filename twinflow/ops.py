@@ -14,6 +14,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +33,8 @@ _loaded = False
 # A cached kernel loads in well under this; a compile takes about 15 s. Past it, one line tells the user why
 # the program is quiet (a progress bar would otherwise stall with no explanation).
 _BUILD_NOTICE_AFTER_S = 1.0
+# A build takes about 15-60 s; a lock older than this is left by a build that was killed (torch would wait forever).
+_LOCK_WAIT_S = 600.0
 
 
 class BuildError(RuntimeError):
@@ -94,6 +97,7 @@ def _build_and_load() -> None:
     saved_cxx = os.environ.get("CXX")
     os.environ["CXX"] = _compiler()
     try:
+        _wait_for_other_build(cpp_extension)
         cpp_extension.load(
             name="twinflow_cpu_adam",
             sources=[str(_CSRC / s) for s in _SOURCES],
@@ -102,6 +106,8 @@ def _build_and_load() -> None:
             is_python_module=False,
             verbose=os.environ.get("TWINFLOW_VERBOSE_BUILD") == "1",
         )
+    except BuildError:
+        raise
     except Exception as exc:  # the compiler's own message is in exc
         raise BuildError(
             f"building the twinflow CPU Adam kernel failed: {exc}\n"
@@ -114,6 +120,24 @@ def _build_and_load() -> None:
             del os.environ["CXX"]
         else:
             os.environ["CXX"] = saved_cxx
+
+
+def _wait_for_other_build(cpp_extension: object) -> None:
+    """Waits (at most _LOCK_WAIT_S) while another process builds the kernel; a lock that outlives that was left
+    by a build that was killed, and torch would wait for it forever: BuildError naming the file and the fix."""
+    try:
+        lock = Path(cpp_extension._get_build_directory("twinflow_cpu_adam", verbose=False)) / "lock"
+    except Exception:  # torch's layout changed: leave the waiting to torch
+        return
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while lock.exists():
+        if time.monotonic() >= deadline:
+            raise BuildError(
+                f"the kernel's build lock {lock} has been held for over {_LOCK_WAIT_S:.0f} s: a build was "
+                "probably killed while compiling. If no other process is building twinflow, delete that file "
+                "and run again"
+            )
+        time.sleep(0.5)
 
 
 def _print_build_notice() -> None:
