@@ -153,3 +153,13 @@ def test_attach_under_several_processes_needs_the_ddp_model(monkeypatch: pytest.
     opt = TwinFlowAdam(make_model().parameters(), ratio=0.5)
     with pytest.raises(RuntimeError, match="DistributedDataParallel model itself.*fully_shard"):
         opt.attach(make_model())
+
+
+def test_unused_parameter_search_is_refused_under_attach(single_rank_group) -> None:
+    """With find_unused_parameters=True DDP reduces zeros for unused parameters; attached, they would be stepped."""
+    model = make_model().to(single_rank_group)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=1.0)
+    with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        opt.attach(ddp)
+    assert not opt.attached

@@ -45,6 +45,14 @@ class Attachment:
         self.ddp = model if isinstance(model, ddp) else None  # gradients stream once DDP has averaged them
         # FSDP2 runs the post-accumulate-grad hooks of its sharded parameters after each reduce-scatter, with the
         # reduced shard as the gradient: those stream as on one GPU.
+        if self.ddp is not None and self.ddp.find_unused_parameters:
+            # DDP reduces a zero gradient for a parameter a step did not use, and leaves its .grad None: streamed,
+            # it would be stepped (weight decay, moments) where AdamW skips it.
+            raise ValueError(
+                "TwinFlowAdam.attach() got a DistributedDataParallel model with find_unused_parameters=True: its "
+                "buckets carry zeros for the parameters a step did not use, which attach() cannot tell from real "
+                "gradients. Use find_unused_parameters=False, or TwinFlowAdam without attach() (exact either way)"
+            )
         self.fsdp = distributed.is_fully_sharded(model)
         if distributed.multi_process() and self.ddp is None and not self.fsdp:
             raise RuntimeError(
