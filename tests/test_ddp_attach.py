@@ -87,6 +87,7 @@ def _worker(rank: int, port: int, how: str, ratio: float, placement: str, clip: 
         opt.synchronize()
         whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         torch.save([p.detach().clone() for p in whole], os.path.join(out, f"rank{rank}.pt"))
+        torch.distributed.barrier()  # both ranks done before either tears gloo down (a lone exit can abort)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -136,17 +137,6 @@ def test_attached_forward_waits_for_its_weights(single_rank_group, lazy_cpu_side
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_outside_clip_under_ddp_attach_is_refused(single_rank_group) -> None:
-    model = make_model().to(single_rank_group)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.4, placement="last").attach(ddp)
-    x, y = (t.to(single_rank_group) for t in batches()[0])
-    (100 * F.mse_loss(ddp(x), y)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="changed after backward.*DDP"):
-        opt.step()
-
-
 def test_attach_under_several_processes_needs_the_ddp_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
@@ -163,3 +153,59 @@ def test_unused_parameter_search_is_refused_under_attach(single_rank_group) -> N
     with pytest.raises(ValueError, match="find_unused_parameters=True"):
         opt.attach(ddp)
     assert not opt.attached
+
+
+def test_static_graph_is_refused_under_attach(single_rank_group) -> None:
+    model = make_model().to(single_rank_group)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, static_graph=True)
+    with pytest.raises(ValueError, match="static_graph=True"):
+        TwinFlowAdam(model.parameters(), lr=LR, ratio=1.0).attach(ddp)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, float("inf")], ids=["clips", "times-one"])
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_outside_clip_is_refused_or_exact(single_rank_group, how: str, max_norm: float) -> None:
+    """clip_grad_norm_ after backward (its foreach multiply leaves DTensor versions alone): a clip is refused;
+    a multiplication by one (max_norm=inf, Hugging Face Trainer's logged norm) changes nothing and steps."""
+    model = make_model().to(single_rank_group)
+    net = wrap(model, how)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.4, placement="last", max_grad_norm=1.0).attach(net)
+    x, y = (t.to(single_rank_group) for t in batches()[0])
+    (100 * F.mse_loss(net(x), y)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if max_norm < float("inf"):
+        with pytest.raises(RuntimeError, match="changed after backward"):
+            opt.step()
+    else:
+        opt.step()
+        opt.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", ["first", "last"])
+def test_fsdp2_post_optim_event_still_waits_for_the_cpu_share(lazy_cpu_side, placement: str) -> None:
+    """With set_post_optim_event FSDP2's all-gathers wait on the user's event instead of the current stream:
+    the CPU share's uploads must still come before them."""
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                         world_size=1)  # fmt: skip
+    try:
+        model = make_model().to("cuda")
+        ref = copy.deepcopy(model)
+        net = wrap(model, "fsdp2")
+        opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=0.6, placement=placement,
+                           chunk_bytes=1024).attach(net)  # fmt: skip
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+        for x, y in batches():
+            x, y = x.cuda(), y.cuda()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            net.set_post_optim_event(torch.cuda.current_stream().record_event())  # as FSDP2's docs suggest
+            opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+    finally:
+        torch.distributed.destroy_process_group()

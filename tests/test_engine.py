@@ -189,6 +189,7 @@ def _worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
         engine.local_optimizer.synchronize()  # attached (stage 0): the last CPU step may still be writing
         params = _gather(engine.module.parameters())
         torch.save(params, os.path.join(out, f"rank{rank}.pt"))
+        torch.distributed.barrier()  # both ranks done before either tears gloo down (a lone exit can abort)
     finally:
         torch.distributed.destroy_process_group()
 

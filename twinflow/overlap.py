@@ -45,13 +45,13 @@ class Attachment:
         self.ddp = model if isinstance(model, ddp) else None  # gradients stream once DDP has averaged them
         # FSDP2 runs the post-accumulate-grad hooks of its sharded parameters after each reduce-scatter, with the
         # reduced shard as the gradient: those stream as on one GPU.
-        if self.ddp is not None and self.ddp.find_unused_parameters:
+        if self.ddp is not None and (self.ddp.find_unused_parameters or self.ddp.static_graph):
             # DDP reduces a zero gradient for a parameter a step did not use, and leaves its .grad None: streamed,
             # it would be stepped (weight decay, moments) where AdamW skips it.
             raise ValueError(
-                "TwinFlowAdam.attach() got a DistributedDataParallel model with find_unused_parameters=True: its "
-                "buckets carry zeros for the parameters a step did not use, which attach() cannot tell from real "
-                "gradients. Use find_unused_parameters=False, or TwinFlowAdam without attach() (exact either way)"
+                "TwinFlowAdam.attach() got a DistributedDataParallel model with find_unused_parameters=True or "
+                "static_graph=True: its buckets carry zeros for the parameters a step did not use, which attach() "
+                "cannot tell from real gradients. Use neither, or TwinFlowAdam without attach() (exact either way)"
             )
         self.fsdp = distributed.is_fully_sharded(model)
         if distributed.multi_process() and self.ddp is None and not self.fsdp:
@@ -73,10 +73,11 @@ class Attachment:
     def open_step(self) -> None:
         """The step's first gradient goes down."""
         self.streamed: set[int] = set()  # parameters whose gradient went down during this backward
+        self.released: set[int] = set()  # ... and whose device gradient was handed back
         self.released_grad_bytes = 0
 
     def end_step(self) -> None:
-        self.streamed = set()
+        self.streamed, self.released = set(), set()
         self.grad_version: dict[int, int] = {}  # each gradient's version when backward finished it
         self.witness_grad: torch.Tensor | None = None
 
@@ -107,7 +108,7 @@ class Attachment:
         covered: set[int] = set()
         if self.fsdp:  # FSDP2 gathers its next modules' weights ahead, on its own streams: all before the root's
             all_chunks = list(range(len(pipeline.chunks)))
-            self.handles.append(model.register_forward_pre_hook(_WaitFor(pipeline, all_chunks), prepend=True))
+            self.handles.append(model.register_forward_pre_hook(_WaitBeforeGather(pipeline, all_chunks), prepend=True))
             covered = set(pipeline.chunks_of)
         for module in model.modules() if not self.fsdp else ():
             owned = list(module.parameters(recurse=False))
@@ -154,6 +155,7 @@ class Attachment:
         self.streamed.add(i)
         if release:
             self.released_grad_bytes += grad.numel() * grad.element_size()
+            self.released.add(i)
             p.grad = None
 
     def on_reduced(self, bucket: Any, reduced: torch.Tensor) -> None:
@@ -190,18 +192,27 @@ class Attachment:
         """Backward has finished parameter i's gradient: note its version, copy the witness."""
         self.grad_version[i] = grad._version
         if i == self.witness:
-            self.witness_grad = grad.detach().clone()
+            self.witness_grad = distributed.local(grad).detach().clone()
 
     def check_grads_untouched(self, with_grad: list[int]) -> None:
         """Gradients changed after backward (an outside clip) cannot reach what already streamed: refused."""
         params = self.opt._split.params
         w, copy = self.witness, self.witness_grad
-        if self.ddp is not None:  # no version to compare (DDP writes the averages in): the witness's values
-            if copy is not None and not torch.equal(distributed.local(params[w].grad), copy):
+        if self.ddp is not None or self.fsdp:
+            # No version to compare: DDP writes its averages in, and an in-place change of FSDP2's DTensor gradients
+            # (clip_grad_norm_'s foreach multiply) leaves their versions alone. The witness's values tell.
+            gone = [i for i in self.streamed if params[i].grad is None and i not in self.released]
+            if gone:  # DDP with a static graph turned on later reduces zeros for a parameter the step did not use
+                raise RuntimeError(
+                    f"parameter {gone[0]} streamed a gradient to the CPU share but has none after backward (DDP "
+                    "static_graph with an unused parameter?): attach() cannot step it as AdamW would (skip it)"
+                )
+            witness = params[w].grad if copy is not None else None
+            if copy is not None and (witness is None or not torch.equal(distributed.local(witness), copy)):
                 raise RuntimeError(
                     f"gradient of parameter {w} was changed after backward (by torch.nn.utils.clip_grad_norm_?) "
-                    "while TwinFlowAdam is attached to a DDP model: the CPU share's gradients left as DDP "
-                    "averaged them, so the change cannot reach them. Clip with TwinFlowAdam(max_grad_norm=...)"
+                    "while TwinFlowAdam is attached to a DDP or FSDP2 model: the CPU share's gradients left once "
+                    "reduced, so the change cannot reach them. Clip with TwinFlowAdam(max_grad_norm=...)"
                 )
             return
         changed = [i for i in with_grad if params[i].grad is not None and i in self.grad_version
@@ -320,10 +331,21 @@ class _WaitFor:
         _wait(self.pipeline, self.chunk_ids)  # under torch.compile a graph break: the wait runs eagerly
 
 
+class _WaitBeforeGather(_WaitFor):
+    """FSDP2's root forward pre-hook, run before FSDP2's own: every CPU-stepped shard is back before FSDP2's
+    all-gather streams read any. They wait on the post-optimizer event when one is set (``set_post_optim_event``),
+    else on the current stream; the event is set here, after the waits, so both ways see the uploads."""
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        _wait(self.pipeline, self.chunk_ids, gather_after=module)
+
+
 @torch.compiler.disable
-def _wait(pipeline: HostPipeline, chunk_ids: list[int]) -> None:
+def _wait(pipeline: HostPipeline, chunk_ids: list[int], gather_after: torch.nn.Module | None = None) -> None:
     """Never traced: under torch.compile a graph break, then the wait, eagerly."""
     pipeline.wait(chunk_ids)
+    if gather_after is not None and pipeline.streams.cuda:
+        gather_after.set_post_optim_event(torch.cuda.current_stream().record_event())
 
 
 def _make_compile_see_hooks() -> None:

@@ -321,7 +321,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
             return
-        settings = dict(ours["settings"])
+        settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
         settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
         hyper = {k: state["defaults"][k] for k in _HYPER}
         TwinFlowAdam.__init__(self, state["param_groups"], **hyper, **settings)
