@@ -61,23 +61,27 @@ class Attachment:
                 "are reduced. ZeroRedundancyOptimizer is not supported under attach(): use TwinFlowAdam "
                 "without attach() there (step() runs after the reduction)"
             )
-        self.lock = threading.Lock()  # under DDP, reduced buckets arrive on communication threads
+        self.lock = threading.Lock()
         self.opt, self.model = opt, model
         self.release_grads, self.eager = release_grads, eager
         self.handles: list[Any] = []
         self.unwaited: list[int] = []  # chunks of parameters no module owns: step() waits for them
         self.witness: int | None = None
-        self.released_grad_bytes = 0  # device gradient memory handed back during the last backward
+        self.released: set[int] = set()  # parameters whose device gradient the last backward handed back
         self.end_step()
+
+    @property
+    def released_grad_bytes(self) -> int:
+        locals_ = self.opt._split.locals
+        return sum(locals_[i].numel() * locals_[i].element_size() for i in self.released)
 
     def open_step(self) -> None:
         """The step's first gradient goes down."""
         self.streamed: set[int] = set()  # parameters whose gradient went down during this backward
-        self.released: set[int] = set()  # ... and whose device gradient was handed back
-        self.released_grad_bytes = 0
+        self.released = set()
 
     def end_step(self) -> None:
-        self.streamed, self.released = set(), set()
+        self.streamed = set()
         self.grad_version: dict[int, int] = {}  # each gradient's version when backward finished it
         self.witness_grad: torch.Tensor | None = None
 
@@ -140,45 +144,42 @@ class Attachment:
         """Post-accumulate-grad hook: the gradient of a CPU-stepped parameter is final; send it down."""
         if p.grad is None:
             return
-        opt, split = self.opt, self.opt._split
+        split = self.opt._split
         i = split.index[id(p)]
         self.note_grad(i, p.grad)
-        if not opt.sync_gradients:
+        if not self.opt.sync_gradients:
             return
-        if split.pipeline.phase != "open":
-            opt._open_step(opt._step_args() if self.eager else None)
-        grad = distributed.local(p.grad)
-        if not self.eager:
-            opt._scale.add_norm(grad)
-        release = self.release_grads and i in split.fully_cpu and i != self.witness
-        split.pipeline.download(i, grad)
-        self.streamed.add(i)
-        if release:
-            self.released_grad_bytes += grad.numel() * grad.element_size()
+        self._stream(i, distributed.local(p.grad))
+        if self.release_grads and i in split.fully_cpu and i != self.witness:
             self.released.add(i)
             p.grad = None
+
+    def _stream(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter i's final (reduced) gradient goes down to the CPU share; the first of a step opens it."""
+        opt, pipeline = self.opt, self.opt._split.pipeline
+        with self.lock:  # under DDP, buckets arrive on several communication threads
+            if pipeline.phase != "open":
+                opt._open_step(opt._step_args() if self.eager else None)
+        if not self.eager:
+            opt._scale.add_norm(grad)
+        pipeline.download(i, grad)
+        self.streamed.add(i)
 
     def on_reduced(self, bucket: Any, reduced: torch.Tensor) -> None:
         """DDP's communication hook: `reduced` holds the bucket's gradients averaged over the ranks, one after
         the other in the bucket's parameter order; the CPU share goes down from there."""
-        opt, split = self.opt, self.opt._split
-        if not opt.sync_gradients:  # a micro-step inside opt.no_sync() that DDP still reduced: not final yet
+        split = self.opt._split
+        if not self.opt.sync_gradients:  # a micro-step inside opt.no_sync() that DDP still reduced: not final yet
             return
         offset = 0
         for p in bucket.parameters():
             grad, offset = reduced[offset : offset + p.numel()].view_as(p), offset + p.numel()
             i = split.index.get(id(p))
-            if i == self.witness:
-                self.witness_grad = grad.detach().clone()
-            if i is None or i not in split.pipeline.pieces_of:
+            if i is None:
                 continue
-            with self.lock:
-                if split.pipeline.phase != "open":
-                    opt._open_step(opt._step_args() if self.eager else None)
-            if not self.eager:
-                opt._scale.add_norm(grad)
-            split.pipeline.download(i, grad)
-            self.streamed.add(i)
+            self.note_grad(i, grad)
+            if i in split.pipeline.pieces_of:
+                self._stream(i, grad)
 
     def refuse_after_eager(self, what: str) -> None:
         """`what` (a clip, an unscale) cannot reach a CPU share that stepped during backward."""

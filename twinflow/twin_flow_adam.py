@@ -211,9 +211,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         with_grad = split.with_grad(streamed)
         if self._attachment is not None:
             self._attachment.check_grads_untouched(with_grad)
-        on_device = split.grads_on_device(streamed)
         fp16 = any(split.params[i].dtype == torch.float16 for i in with_grad)
-        if fp16 and self._scale.overflow(on_device, bool(streamed)):
+        if fp16 and self._scale.overflow(split.grads_on_device(streamed), bool(streamed)):
             log.warning("inf/NaN gradient in an fp16 model: step skipped on both sides")
             self.skipped_steps += 1
             if pipeline is not None:
@@ -221,7 +220,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self._end_step()
             return loss
         if self.max_grad_norm is not None and not self._scale.clipped:
-            self.last_grad_norm = self._scale.clip(self.max_grad_norm, 2.0, on_device, bool(streamed))
+            self.last_grad_norm = self._scale.clip(self.max_grad_norm, 2.0, split.grads_on_device(streamed),
+                                                   bool(streamed))  # fmt: skip
         if pipeline is not None:  # under eager overlap, the arguments the CPU share has been stepping with
             args = pipeline.seal(args, self._scale.for_cpu)
         split.step_device(with_grad, args.groups, self._scale.coef)
