@@ -9,6 +9,8 @@ step runs on the CPU):
   bf16          bf16 parameters, torch fused AdamW, no fp32 master; no offload
   twinflow:R    twinflow.initialize, bf16 with fp32 masters, ratio R (one GPU:
                 TwinFlowAdam attached to the model; several: FSDP2, stage 3)
+  twinflow-delay:R  the same with offload_delay_after 1: the CPU share's
+                update lands one step late (not exact)
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
@@ -54,7 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
 
-SYSTEMS = ("amp", "bf16", "twinflow", "ds-z3", "ds-z2", "torchao")
+SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "ds-z3", "ds-z2", "torchao")
+TWINFLOW = ("twinflow", "twinflow-delay")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
@@ -66,7 +69,7 @@ def parse_system(text: str) -> tuple[str, float | None]:
     name, _, ratio = text.partition(":")
     if name not in SYSTEMS:
         raise SystemExit(f"system {text!r}: unknown name {name!r}; expected one of {', '.join(SYSTEMS)}")
-    needs_ratio = name in ("twinflow", "ds-z3")
+    needs_ratio = name in (*TWINFLOW, "ds-z3")
     if needs_ratio != bool(ratio):
         form = f"{name}:R with R in [0, 1]" if needs_ratio else name
         raise SystemExit(f"system {text!r}: expected {form}")
@@ -102,8 +105,9 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
     }
 
 
-def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float) -> dict:
+def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, delay: bool = False) -> dict:
     return {
+        "offload_delay_after": 1 if delay else None,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -153,10 +157,10 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
             opt.zero_grad()
             return loss
 
-    elif name == "twinflow":
+    elif name in TWINFLOW:
         import twinflow
 
-        config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip)
+        config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip, name == "twinflow-delay")
         engine, _, _, _ = twinflow.initialize(model=model, config=config)
         opt = engine.local_optimizer
         finish = opt.synchronize
@@ -168,7 +172,7 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
         config = deepspeed_config(name, ratio, args.micro_batch, args.clip)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    if name in ("twinflow", "ds-z3", "ds-z2"):  # the same engine calls for both
+    if name in (*TWINFLOW, "ds-z3", "ds-z2"):  # the same engine calls for both
 
         def one_step(tokens):
             loss = engine(input_ids=tokens, labels=tokens).loss
@@ -418,7 +422,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for i, (name, members) in enumerate(sorted(families.items())):
         members.sort(key=lambda r: r["ratio"] if r["ratio"] is not None else -1)
         color = f"C{i}"
-        if len(members) > 1 or members[0]["ratio"] is not None and name in ("twinflow", "ds-z3", "ds-z2"):
+        if len(members) > 1 or members[0]["ratio"] is not None and name in (*TWINFLOW, "ds-z3", "ds-z2"):
             xs = [r["ratio"] for r in members]
             ax_t.plot(xs, [r["median_step_seconds"] for r in members], "o-", color=color, label=name)
             ax_m.plot(xs, [r["peak_gpu_gib"] for r in members], "o-", color=color, label=name)

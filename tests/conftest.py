@@ -39,7 +39,8 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
     one, never a race that a fast worker happens to win: a missing wait fails
     every run, with no sleeps. Waits come from ``HostPipeline.wait`` (the
     forward pre-hooks, and ``finish()``), so code that waits correctly runs
-    as before, only later.
+    as before, only later. A delayed step's late job runs only once
+    ``flush()`` waits for it, after the next step's gradients have landed.
     """
     from twinflow.pipeline import HostPipeline
 
@@ -68,6 +69,30 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
                 return k
             self._cond.wait()
 
+    # A delayed step's late job runs only once flush() (the next delayed step, or settle()) waits for it.
+    original_flush, original_drop = HostPipeline.flush, HostPipeline.drop_late_for
+
+    def ask_late(self) -> None:
+        with self._cond:
+            self._late_asked = self.late_jobs
+            self._cond.notify_all()
+
+    def flush(self, wait: bool = True) -> None:
+        ask_late(self)
+        original_flush(self, wait)
+
+    def drop_late_for(self, moved: set[int]) -> None:
+        ask_late(self)
+        original_drop(self, moved)
+
+    def pick_late(self) -> int:  # called with the lock held, once the late job has chunks left
+        while getattr(self, "_late_asked", 0) < self.late_jobs and not self._stop:
+            self._cond.wait()  # on close() the chunk runs at once, as without this fixture
+        return self._late.pop(0)
+
     monkeypatch.setattr(HostPipeline, "open", open_)
     monkeypatch.setattr(HostPipeline, "wait", wait)
     monkeypatch.setattr(HostPipeline, "_pick", pick)
+    monkeypatch.setattr(HostPipeline, "flush", flush)
+    monkeypatch.setattr(HostPipeline, "drop_late_for", drop_late_for)
+    monkeypatch.setattr(HostPipeline, "_pick_late", pick_late)

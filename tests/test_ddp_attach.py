@@ -67,14 +67,16 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def _worker(rank: int, port: int, how: str, ratio: float, placement: str, clip: float | None, out: str) -> None:
+def _worker(
+    rank: int, port: int, how: str, ratio: float, placement: str, clip: float | None, out: str, delay: int | None = None
+) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         model = make_model()
         net = wrap(model, how)
         opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
-                           max_grad_norm=clip, chunk_bytes=512).attach(net)  # fmt: skip
+                           max_grad_norm=clip, chunk_bytes=512, delay_after=delay).attach(net)  # fmt: skip
         assert opt.attached and opt.split_summary["chunks"] > 1
         for x, y in batches():
             F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
@@ -100,6 +102,34 @@ def test_two_ranks_attached_match_one_process(tmp_path, how: str, ratio: float, 
     want = reference(clip)
     moved = [w - p for w, p in zip(want, make_model().parameters())]
     assert all(m.abs().max() > 1e-3 for m in moved)  # the run trains: a step left out would show
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def one_process_delayed(clip: float, ratio: float, placement: str, delay: int) -> list[torch.Tensor]:
+    """One process, the whole batch, TwinFlowAdam with the same delay (its recurrence: tests/test_delayed.py)."""
+    model = make_model()
+    opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
+                       max_grad_norm=clip, chunk_bytes=512, delay_after=delay)  # fmt: skip
+    for x, y in batches():
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# Which elements are delayed must match: DDP splits whole parameters as one process does, while FSDP2 splits
+# each rank's shards (at ratio 0.6 another set of elements); at ratio 1 every element is delayed everywhere.
+@pytest.mark.parametrize(("how", "ratio"), [("ddp", 0.6), ("fsdp2", 1.0)])
+def test_two_ranks_delayed_match_one_process_delayed(tmp_path, how: str, ratio: float) -> None:
+    placement, clip, delay = "last", 0.5, 1
+    mp.spawn(_worker, args=(free_port(), how, ratio, placement, clip, str(tmp_path), delay), nprocs=2, join=True)
+    want = one_process_delayed(clip, ratio, placement, delay)
+    exact = reference(clip)
+    assert max((w - e).abs().max() for w, e in zip(want, exact)) > 5e-4  # the delay shows, beyond the tolerance
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for g, w in zip(got, want):

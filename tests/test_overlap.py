@@ -139,9 +139,25 @@ def test_accumulation_streams_only_the_closing_micro_step(device: str) -> None:
     assert_same_weights(over, plain, exact=True)
 
 
-def test_second_backward_without_no_sync_is_refused() -> None:
+def test_forward_between_eager_backward_and_step_is_refused(lazy_cpu_side: None) -> None:
+    # The CPU steps while backward runs; a forward before step() would read weights it is writing.
     model = make("cpu", torch.float32)
-    _opt = TwinFlowAdam(model.parameters(), ratio=1.0, chunk_bytes=1024).attach(model)
+    opt = TwinFlowAdam(model.parameters(), ratio=1.0, chunk_bytes=1024).attach(model)
+    x = torch.randn(4, 12)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"before step\(\).*no_sync.*eager=False"):
+        model(x)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"before step\(\)"):
+        model(x)
+    opt.step()
+    model(x).sum().backward()  # after step() the next step goes on as usual
+    opt.step()
+
+
+def test_second_backward_without_no_sync_is_refused() -> None:
+    # Not eager: the forward between is allowed (the CPU waits for step()); the second gradient is refused.
+    model = make("cpu", torch.float32)
+    _opt = TwinFlowAdam(model.parameters(), ratio=1.0, chunk_bytes=1024).attach(model, eager=False)
     x = torch.randn(4, 12)
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match=r"twice in one step.*no_sync"):

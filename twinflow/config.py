@@ -235,6 +235,9 @@ class Config(_Section):
     # Which end of the parameter order the CPU steps: "last" overlaps best when attached (the last layers'
     # gradients arrive first in backward); "first" is TwinFlowAdam's default.
     offload_placement: Literal["first", "last"] = "first"
+    # Opt-in, not exact: after this many exact steps the CPU share's update of each step lands one step late
+    # (ZeRO-Offload's delayed parameter update), so the CPU stays hidden when training clips.
+    offload_delay_after: Annotated[Count, Field(ge=0)] | None = None
     world_size: Annotated[Count, Field(gt=0)] = 1
 
     @model_validator(mode="after")

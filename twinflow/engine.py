@@ -139,6 +139,7 @@ class Engine:
             "ratio": config.ratio,
             "placement": config.offload_placement,
             "max_grad_norm": (config.gradient_clipping or None) if clip else None,
+            "delay_after": config.offload_delay_after,
         }
         if opt is not None:
             p = opt.params

@@ -35,11 +35,11 @@ class Attachment:
     ) -> None:
         fp16 = any(p.dtype == torch.float16 for p in opt._split.params)
         if eager is None:
-            eager = opt.max_grad_norm is None and not fp16
-        elif eager and (opt.max_grad_norm is not None or fp16):
+            eager = opt.max_grad_norm is None and not fp16 and opt.delay_after is None
+        elif eager and (opt.max_grad_norm is not None or fp16 or opt.delay_after is not None):
             raise ValueError(
-                "eager=True cannot be combined with max_grad_norm or fp16 parameters: both need every gradient "
-                "before any update; leave eager unset"
+                "eager=True cannot be combined with max_grad_norm, delay_after or fp16 parameters: each needs "
+                "every gradient before any update; leave eager unset"
             )
         ddp = torch.nn.parallel.DistributedDataParallel
         self.ddp = model if isinstance(model, ddp) else None  # gradients stream once DDP has averaged them

@@ -21,6 +21,15 @@ One step:
 3. The worker uploads each chunk on the upload stream and records its event.
 4. ``wait(chunks)`` makes the compute stream wait for those chunks (the next
    forward's pre-hooks call it); ``finish()`` waits for all.
+
+Delayed update (``seal(..., delayed=True)``): the step's chunks become a
+*late job* that the worker runs during the next iteration's forward and
+backward, and its weights go up at the next ``seal()``, after that backward
+(the earliest point no saved activation still needs the old weights). So
+the CPU share's weights are one step stale. Downloads of the next step land
+in a second set of buffers, since the late job still reads and writes the
+first; the two sets swap at every delayed seal. ``flush()`` applies a
+pending late job at once.
 """
 
 from __future__ import annotations
@@ -105,11 +114,13 @@ class _Piece:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    spare: torch.Tensor | None = None  # the same place in the second buffer set (delayed update)
 
 
 @dataclass
 class _Chunk:
     buffer: torch.Tensor
+    spare: torch.Tensor | None = None  # the second buffer set's (delayed update)
     pieces: list[_Piece] = field(default_factory=list)
     params: list[int] = field(default_factory=list)  # distinct, in order
     grad_ready: object = None  # event: the chunk's gradients are on the host
@@ -119,6 +130,15 @@ class _Chunk:
 def check_chunk_bytes(chunk_bytes: object) -> None:
     if not isinstance(chunk_bytes, int) or chunk_bytes < 256:
         raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= 256")
+
+
+def check_delay_after(delay_after: object) -> None:
+    if delay_after is not None and (isinstance(delay_after, bool) or not isinstance(delay_after, int)
+                                    or delay_after < 0):  # fmt: skip
+        raise ValueError(
+            f"delay_after={delay_after!r}; expected None (every update exact) or an int >= 0: the number of "
+            "exact steps before the CPU share's updates are delayed by one step"
+        )
 
 
 def plan_chunks(segments: list[HostSegment], itemsizes: list[int], chunk_bytes: int) -> list[list[tuple]]:
@@ -170,6 +190,7 @@ class HostPipeline:
         sizes = [max(_ALIGN, sum(_aligned((b - a) * itemsizes[segments[pos].index]) for pos, a, b, _ in plan))
                  for plan in plans]  # fmt: skip
         buffers = pinned_buffers(sizes, self.streams.cuda, "the CPU share's gradients")
+        self._sizes = sizes
         self.pinned_bytes = sum(sizes) if self.streams.cuda else 0
         self.chunks: list[_Chunk] = []
         self.pieces_of: dict[int, list[tuple[int, _Piece]]] = {}
@@ -194,6 +215,8 @@ class HostPipeline:
                 self.pieces_of.setdefault(seg.index, []).append((k, piece))
             self.chunks.append(chunk)
         self.chunks_of = {i: sorted({k for k, _ in pcs}) for i, pcs in self.pieces_of.items()}
+        self._offsets = {id(pc): offset for chunk, plan in zip(self.chunks, plans)
+                         for pc, (_, _, _, offset) in zip(chunk.pieces, plan)}  # fmt: skip
 
         self._cond = threading.Condition()
         self._phase = "idle"  # idle -> open (gradients arriving) -> sealed (all known) -> idle
@@ -212,6 +235,14 @@ class HostPipeline:
         self._ready_at: list[float] = [0.0] * len(self.chunks)
         # Per parameter, its version counter right after this pipeline last wrote its weights.
         self.written_version: dict[int, int] = {}
+        # The late job (delayed update): per chunk the pieces it steps and the host views it uses.
+        self._late: list[int] = []  # chunks not picked yet
+        self._late_busy: set[int] = set()  # chunks not finished yet
+        self._late_job: dict[int, list[tuple[_Piece, torch.Tensor]]] = {}  # uploaded at the next seal or flush
+        self._late_args: StepArgs | None = None
+        self._late_scale: float | None = None
+        self._late_ready = self.streams.event()  # the late job's gradients are all on the host
+        self.late_jobs = 0  # delayed steps so far
 
     # ------------------------------------------------------------ main side
     @property
@@ -276,12 +307,12 @@ class HostPipeline:
                     self._push_ready(k)
             self._cond.notify_all()
 
-    def seal(self, args: StepArgs, scale: Callable[[], float | Callable[[], float]]) -> StepArgs:
+    def seal(self, args: StepArgs, scale: Callable[[], float | Callable[[], float]], delayed: bool = False) -> StepArgs:
         """Every gradient of the step is down: chunks wait for no one else, and the worker may run them all.
 
         Returns the step's arguments, which the device side uses too: those the step was opened with under
         eager overlap (the worker may already have used them), else `args` with the gradient multiplier
-        ``scale()`` (clipping).
+        ``scale()`` (clipping). `delayed`: the step becomes the late job, and the last one's weights go up now.
         """
         eager = self.released_args
         if eager is not None:
@@ -291,6 +322,10 @@ class HostPipeline:
             args = eager
         else:
             args.scale = scale()
+        if delayed and eager is None:
+            self._seal_late(args)
+            return args
+        self.flush(wait=False)  # an exact step after a delayed one: the pending weights go up first
         with self._cond:
             for k, chunk in enumerate(self.chunks):
                 if self._missing[k] == 0:
@@ -316,8 +351,89 @@ class HostPipeline:
         if self.timeline is not None:
             self._ready_at[k] = time.perf_counter()
 
+    def _seal_late(self, args: StepArgs) -> None:
+        """Uploads the last late job's weights (after this backward), and makes this step the next late job."""
+        self.flush(wait=False)  # the forward's pre-hooks (or finish()) make the compute stream wait per chunk
+        if self.chunks and self.chunks[0].spare is None:  # the first delayed step: a second buffer set
+            self._make_spare()
+        with self._cond:
+            job = {}
+            for k, chunk in enumerate(self.chunks):
+                live = [(pc, pc.host) for pc in chunk.pieces if pc.param in self._down]
+                if live:
+                    job[k] = live
+                    if self._missing[k] != 0:
+                        chunk.grad_ready.record(self.streams.d2h_stream)
+            self._late_job, self._late, self._late_busy = job, sorted(job), set(job)
+            self._late_args, self._late_scale = args, None
+            self.late_jobs += 1
+            self._late_ready.record(self.streams.d2h_stream)  # after every download of this step
+            for chunk in self.chunks:  # the next step's gradients land in the other set
+                chunk.buffer, chunk.spare = chunk.spare, chunk.buffer
+                for pc in chunk.pieces:
+                    pc.host, pc.spare = pc.spare, pc.host
+            self._missing = [0] * len(self.chunks)
+            self._ready, self._args = [], None
+            self._done = [True] * len(self.chunks)  # the last job's uploads are queued: wait() waits on GPU only
+            self._waited = set()
+            self._phase = "sealed"
+            self._cond.notify_all()
+        self.streams.compute_after_downloads()
+        self._start_worker()
+
+    def _make_spare(self) -> None:
+        spares = pinned_buffers(self._sizes, self.streams.cuda, "the delayed update's second gradient buffers")
+        self.pinned_bytes *= 2
+        for chunk, buf in zip(self.chunks, spares):
+            chunk.spare = buf
+            for pc in chunk.pieces:
+                pc.spare = view(buf, self._offsets[id(pc)], pc.end - pc.start, pc.host.dtype)
+
+    @property
+    def late_pending(self) -> bool:
+        """A delayed step's weights have not gone up yet."""
+        return bool(self._late_job)
+
+    def flush(self, wait: bool = True) -> None:
+        """Applies the pending late job: waits for its kernel, then uploads its weights (`wait`: the current
+        stream sees them, else each chunk's ``uploaded`` event is left for ``wait()``). Call only where no saved
+        activation needs the old weights: after backward, or outside a step."""
+        if not self._late_job:
+            return
+        with self._cond:
+            while self._late_busy and self._error is None:
+                self._cond.wait()
+            job, self._late_job = self._late_job, {}
+            self._late, self._late_busy = [], set()
+            self._raise_error()
+        if self.streams.cuda:  # after every kernel queued so far (the backward that read the old weights)
+            self.streams.h2d_stream.wait_stream(torch.cuda.current_stream(self.streams.device))
+        with self.streams.h2d():
+            for k, live in job.items():
+                torch._foreach_copy_([pc.dst for pc, _ in live], [h for _, h in live], non_blocking=True)
+                self.chunks[k].uploaded.record(self.streams.h2d_stream)
+        for k, live in job.items():
+            if wait:
+                self.streams.compute_waits(self.chunks[k].uploaded)
+            for pc, _ in live:
+                self.written_version[pc.param] = self.params[pc.param]._version
+
+    def drop_late_for(self, moved: set[int]) -> None:
+        """Parameters written outside the optimizer keep those weights: their pending upload is dropped."""
+        if not self._late_job:
+            return
+        with self._cond:
+            while self._late_busy and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            for k in list(self._late_job):
+                self._late_job[k] = [(pc, h) for pc, h in self._late_job[k] if pc.param not in moved]
+                if not self._late_job[k]:
+                    del self._late_job[k]
+
     def discard(self) -> None:
         """Drops the open step's gradients (an fp16 overflow): nothing is stepped or uploaded."""
+        self.flush()  # a delayed step's weights still go up: this is after backward
         with self._cond:
             if self._args is not None and self._phase == "open":
                 raise RuntimeError("cannot discard a step whose CPU updates have already started (eager mode)")
@@ -330,6 +446,13 @@ class HostPipeline:
 
     def wait(self, chunk_ids: list[int]) -> None:
         """The compute stream waits for these chunks' uploads (host-blocks only until each upload is queued)."""
+        if self._phase == "open" and self._args is not None and torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                "TwinFlowAdam: the model ran forward after backward but before step(), while the CPU share was "
+                "already stepping (attach() is eager by default), so it would read weights the CPU is writing. "
+                "Call step() first; with gradient accumulation, run every backward but the last of a window inside "
+                "`with optimizer.no_sync():`; to run forwards between backward and step(), attach with eager=False"
+            )
         if self._phase != "sealed":
             return  # nothing of a finished step is in flight (or this is a recompute during backward)
         todo = [k for k in chunk_ids if k not in self._waited]
@@ -345,6 +468,11 @@ class HostPipeline:
         for k in todo:
             self.streams.compute_waits(self.chunks[k].uploaded)
             self._waited.add(k)
+
+    def settle(self) -> None:
+        """Every update taken so far, a delayed one included, is in the weights the current stream sees."""
+        self.finish()
+        self.flush()
 
     def finish(self) -> None:
         """Waits for every chunk of the step in flight; the compute stream then sees all uploaded weights."""
@@ -399,23 +527,32 @@ class HostPipeline:
             torch.cuda.set_device(self.streams.device)
         while True:
             with self._cond:
-                while not self._stop and not (self._args is not None and self._ready):
+                while not self._stop and not (self._args is not None and self._ready) and not self._late:
                     self._cond.wait()
                 if self._stop:
                     return
-                k = self._pick()
-                args = self._args
-                live = [pc for pc in self.chunks[k].pieces if pc.param in self._down]
+                late = not (self._args is not None and self._ready)
+                if late:
+                    k = self._pick_late()
+                    job, args = self._late_job[k], self._late_args
+                else:
+                    k = self._pick()
+                    args = self._args
+                    job = [(pc, pc.host) for pc in self.chunks[k].pieces if pc.param in self._down]
+            error = None
             try:
-                self._run_chunk(k, live, args)
+                if late:
+                    self._late_scale = self._kernel(self._late_ready, job, args, self._late_scale)
+                else:
+                    self._run_chunk(k, job, args)
             except BaseException as exc:  # surfaced in the main thread at its next wait
-                with self._cond:
-                    self._error = exc
-                    self._done[k] = True
-                    self._cond.notify_all()
-                continue
+                error = exc
             with self._cond:
-                self._done[k] = True
+                self._error = error or self._error
+                if late:
+                    self._late_busy.discard(k)
+                else:
+                    self._done[k] = True
                 self._cond.notify_all()
 
     def _pick(self) -> int:
@@ -429,19 +566,24 @@ class HostPipeline:
         self._ready.remove(k)
         return k
 
-    def _run_chunk(self, k: int, pieces: list[_Piece], args: StepArgs) -> None:
-        chunk = self.chunks[k]
-        picked = time.perf_counter()
-        chunk.grad_ready.synchronize()
-        start = time.perf_counter()
-        if self._scale is None:
-            self._scale = args.scale() if callable(args.scale) else float(args.scale)
-        by_group: dict[int, list[_Piece]] = {}
-        for pc in pieces:
-            by_group.setdefault(self.group_of[pc.param], []).append(pc)
-        for gi, group_pieces in by_group.items():
+    def _pick_late(self) -> int:
+        """The lowest chunk of the late job (caller holds the lock)."""
+        return self._late.pop(0)
+
+    def _kernel(self, ready: object, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
+                scale: float | None) -> float:  # fmt: skip
+        """Steps `job`'s pieces from the gradients in their host views (on the host once `ready`), leaving the
+        weights there; returns the gradient multiplier (read from `args` unless known)."""
+        ready.synchronize()
+        if scale is None:
+            scale = args.scale() if callable(args.scale) else float(args.scale)
+        by_group: dict[int, list[tuple[_Piece, torch.Tensor]]] = {}
+        for pc, host in job:
+            by_group.setdefault(self.group_of[pc.param], []).append((pc, host))
+        for gi, group_job in by_group.items():
             g = args.groups[gi]
-            hosts = [pc.host for pc in group_pieces]
+            group_pieces = [pc for pc, _ in group_job]
+            hosts = [h for _, h in group_job]
             ops.adam_step_(
                 [pc.master for pc in group_pieces],
                 hosts,
@@ -456,9 +598,18 @@ class HostPipeline:
                 adamw_mode=g["adamw_mode"],
                 bias_correction=g["bias_correction"],
                 out_copies=hosts,  # in place: each gradient element is read before its weight is written
-                grad_scale=self._scale,
+                grad_scale=scale,
                 num_threads=self.num_threads,
             )
+        return scale
+
+    def _run_chunk(self, k: int, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs) -> None:
+        chunk = self.chunks[k]
+        pieces = [pc for pc, _ in job]
+        picked = time.perf_counter()
+        chunk.grad_ready.synchronize()
+        start = time.perf_counter()
+        self._scale = self._kernel(chunk.grad_ready, job, args, self._scale)
         with self.streams.h2d():
             kernel_end = time.perf_counter()
             torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)

@@ -212,6 +212,9 @@ class SplitState:
         the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
         """
         written = self.pipeline.written_version if self.pipeline is not None else {}
+        moved = {i for i, p in enumerate(self.locals) if p._version > max(self.written[i], written.get(i, -1))}
+        if moved and self.pipeline is not None:
+            self.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
         for i, p in enumerate(self.locals):
             if p._version > max(self.written[i], written.get(i, -1)):
                 flat = p.view(-1)

@@ -20,7 +20,7 @@ from twinflow import device_side, ops
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_adamw_flags
 from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
-from twinflow.pipeline import StepArgs, check_chunk_bytes
+from twinflow.pipeline import StepArgs, check_chunk_bytes, check_delay_after
 from twinflow.split_state import SplitState
 from twinflow.step_scale import StepScale, check_max_grad_norm
 from twinflow.tune import IterationProbe
@@ -38,9 +38,12 @@ class TwinFlowAdam(torch.optim.Optimizer):
     stepped by twinflow's kernel on a worker thread, the device's stepped by torch's fused Adam; bf16/fp16
     parameters receive the rounded result. Plain ``step()`` returns once every weight is back; after
     ``attach(model)`` gradients leave during backward and the next forward waits only for the weights it uses.
-    ``max_grad_norm`` clips by one global norm. ``state``, ``state_dict()`` and ``load_state_dict()`` are
-    torch.optim's (with a ``master`` entry for bf16/fp16 parameters): state moves to and from
-    ``torch.optim.AdamW`` and across ratios and placements.
+    ``max_grad_norm`` clips by one global norm. ``delay_after=n`` (opt-in, not exact): after n exact steps, the
+    CPU share's update of each step runs during the next iteration and reaches the weights at its ``step()``
+    (one step stale: ZeRO-Offload's delayed parameter update; the CPU stays hidden when clipping). ``state``,
+    ``state_dict()`` and ``load_state_dict()`` are torch.optim's (with a ``master`` entry for bf16/fp16
+    parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements; saving applies
+    a pending delayed update.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         chunk_bytes: int = 128 << 20,
         num_threads: int | None = None,
         max_grad_norm: float | None = None,
+        delay_after: int | None = None,
         memory_margin: float = 0.1,
         memory_budget: int | None = None,
         amsgrad: bool = False,
@@ -75,8 +79,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.placement = check_placement(placement)
         check_chunk_bytes(chunk_bytes)
         check_max_grad_norm(max_grad_norm)
+        check_delay_after(delay_after)
         super().__init__(params, defaults)
         self.chunk_bytes, self.num_threads, self.max_grad_norm = chunk_bytes, num_threads, max_grad_norm
+        self.delay_after = delay_after
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
         self._split, self._groups_added = SplitState(self.param_groups), False
         self.device = self._split.device
@@ -134,8 +140,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         the weights it uses, also under ``torch.compile``. ``eager`` (default: on unless ``max_grad_norm`` is
         set or the model is fp16) lets the CPU step while backward still runs, so no gradient may change after
         backward: clip with ``max_grad_norm``. With gradient accumulation, run every backward but the last of a
-        window inside ``with optimizer.no_sync():``. Not supported: more than one process (refused; DDP averages
-        gradients after the hooks read them) and ``torch.amp.GradScaler`` (fp16 gets its own overflow skipping).
+        window inside ``with optimizer.no_sync():``; a forward between backward and ``step()`` needs
+        ``eager=False``. Under DDP and FSDP2 gradients stream once reduced. Not supported: ``torch.amp.GradScaler``
+        (fp16 gets its own overflow skipping).
         """
         if self._attachment is not None:
             raise RuntimeError("TwinFlowAdam.attach() was already called; call detach() first")
@@ -168,9 +175,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._split.forget_written()
 
     def synchronize(self) -> None:
-        """Waits until every weight of the last step is back on the device (the current stream sees it)."""
+        """Waits until every weight of the last step is back on the device (the current stream sees it); a
+        delayed update still pending is applied now."""
         if self._split.pipeline is not None and not self._split.step_open:
-            self._split.pipeline.finish()
+            self._split.pipeline.settle()
 
     # ------------------------------------------------------------------- step
     def _step_args(self) -> StepArgs:
@@ -223,7 +231,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self.last_grad_norm = self._scale.clip(self.max_grad_norm, 2.0, split.grads_on_device(streamed),
                                                    bool(streamed))  # fmt: skip
         if pipeline is not None:  # under eager overlap, the arguments the CPU share has been stepping with
-            args = pipeline.seal(args, self._scale.for_cpu)
+            delayed = self.delay_after is not None and max(split.steps, default=0) >= self.delay_after
+            args = pipeline.seal(args, self._scale.for_cpu, delayed)
         split.step_device(with_grad, args.groups, self._scale.coef)
         if pipeline is not None:
             if self._attachment is None:
@@ -305,33 +314,43 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy needs: settings, param groups and each stepped parameter's state (not the attachment)."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        if self._split.built:  # ratio='auto' not decided yet: nothing stepped
-            self.synchronize()
-            state = {i: {k: v.clone() for k, v in e.items()} for i, e in self._split.export().items()}
-        settings = {key: getattr(self, key) for key in _SETTINGS}
-        ours = {"settings": settings, "state": state, "skipped_steps": self.skipped_steps}
-        return {"defaults": self.defaults, "param_groups": self.param_groups, "twinflow": ours}
+        return _pickled(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        ours = state.get("twinflow")
-        if ours is None:  # torch's load_state_dict passes the loaded groups this way
-            super().__setstate__(state)
-            for group in self.param_groups:
-                for key, value in self.defaults.items():
-                    group.setdefault(key, value)
-            return
-        settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
-        settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
-        hyper = {k: state["defaults"][k] for k in _HYPER}
-        TwinFlowAdam.__init__(self, state["param_groups"], **hyper, **settings)
-        self.skipped_steps = ours["skipped_steps"]
-        if ours["state"]:
-            self._split.load(ours["state"])
+        _unpickle(self, state)
 
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
-_SETTINGS = ("ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "memory_margin", "memory_budget")
+_SETTINGS = (
+    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "memory_margin", "memory_budget"
+)  # fmt: skip
+
+
+def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    if opt._split.built:  # ratio='auto' not decided yet: nothing stepped
+        opt.synchronize()
+        state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt._split.export().items()}
+    settings = {key: getattr(opt, key) for key in _SETTINGS}
+    ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps}
+    return {"defaults": opt.defaults, "param_groups": opt.param_groups, "twinflow": ours}
+
+
+def _unpickle(opt: TwinFlowAdam, state: dict[str, Any]) -> None:
+    ours = state.get("twinflow")
+    if ours is None:  # torch's load_state_dict passes the loaded groups this way
+        torch.optim.Optimizer.__setstate__(opt, state)
+        for group in opt.param_groups:
+            for key, value in opt.defaults.items():
+                group.setdefault(key, value)
+        return
+    settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
+    settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
+    hyper = {k: state["defaults"][k] for k in _HYPER}
+    TwinFlowAdam.__init__(opt, state["param_groups"], **hyper, **settings)
+    opt.skipped_steps = ours["skipped_steps"]
+    if ours["state"]:
+        opt._split.load(ours["state"])
 
 
 def _take_state(opt: TwinFlowAdam, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,164 @@
+"""delay_after: the CPU share's update of step t reaches the weights at step t+1 (one step stale).
+
+Checked against the delayed recurrence written out in float64: every master
+steps with its own step's (clipped) gradient, as AdamW; the CPU share's
+visible weights are the masters of one step earlier once ``delay_after``
+exact steps have run, the device share's are the current masters.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_overlap import Net, make
+from twinflow import TwinFlowAdam
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+LR, WD = 1e-2, 0.01
+
+
+def cpu_masks(opt: TwinFlowAdam) -> list[torch.Tensor]:
+    """Per parameter, which of its elements the CPU steps."""
+    masks = []
+    for i, p in enumerate(opt._split.params):
+        mask = torch.zeros(p.numel(), dtype=torch.bool)
+        for _, piece in opt._split.pipeline.pieces_of.get(i, []):
+            mask[piece.start : piece.end] = True
+        masks.append(mask.view(p.shape))
+    return masks
+
+
+class DelayedReference:
+    """The delayed recurrence in float64 (delay_after=None: the exact one)."""
+
+    def __init__(self, model: Net, masks: list[torch.Tensor], delay_after: int | None, max_norm: float | None):
+        self.model = copy.deepcopy(model).to("cpu", torch.float64)
+        self.masters = [p.detach().clone() for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(self.masters, lr=LR, weight_decay=WD, foreach=False)
+        self.masks, self.delay_after, self.max_norm = masks, delay_after, max_norm
+        self.steps = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        params = list(self.model.parameters())
+        F.mse_loss(self.model(x.double()), y.double()).backward()
+        grads = [p.grad for p in params]
+        coef = 1.0
+        if self.max_norm is not None:
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = min(1.0, self.max_norm / (float(total) + 1e-6))
+        before = [m.clone() for m in self.masters]
+        for m, g in zip(self.masters, grads):
+            m.grad = g * coef
+        self.opt.step()
+        delayed = self.delay_after is not None and self.steps >= self.delay_after
+        self.steps += 1
+        with torch.no_grad():
+            for p, m, old, mask in zip(params, self.masters, before, self.masks):
+                p.copy_(torch.where(mask, old, m) if delayed else m)
+                p.grad = None
+
+    def flush(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.masters):
+                p.copy_(m)
+
+
+def batches(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 12, generator=gen), torch.randn(8, 12, generator=gen)) for _ in range(steps)]
+
+
+def max_gap(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    return max((p.detach().double().cpu() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attached", [False, True], ids=["plain", "attached"])
+@pytest.mark.parametrize("max_norm", [None, 0.05], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize(("ratio", "placement"), [(0.5, "first"), (0.5, "last"), (1.0, "first")])
+def test_delayed_steps_follow_the_float64_recurrence(
+    device: str, attached: bool, max_norm: float | None, ratio: float, placement: str, lazy_cpu_side: None
+) -> None:
+    # lazy_cpu_side: each late job runs only when the next step waits for it, after that step's gradients
+    # have landed, so a late job that read the buffers the next downloads fill would fail every run.
+    model = make(device, torch.float32, seed=1)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
+                       chunk_bytes=1024, max_grad_norm=max_norm, delay_after=2)  # fmt: skip
+    if attached:
+        opt.attach(model)
+    masks = cpu_masks(opt)
+    ref = DelayedReference(model, masks, delay_after=2, max_norm=max_norm)
+    exact = DelayedReference(model, masks, delay_after=None, max_norm=max_norm)
+    for x, y in batches(8, seed=3):
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.step(x, y)
+        exact.step(x, y)
+        if attached:  # the weights as the next forward sees them
+            opt._split.pipeline.wait(list(range(len(opt._split.pipeline.chunks))))
+        assert max_gap(model, ref.model) < 2e-5
+    assert max_gap(model, exact.model) > 1e-3  # the delay shows: the check above could fail
+    assert opt._split.pipeline.late_jobs == 6
+    opt.synchronize()  # applies the pending update: every weight is its master
+    ref.flush()
+    assert max_gap(model, ref.model) < 2e-5
+
+
+def test_state_dict_applies_the_pending_update_and_resumes_exactly() -> None:
+    model = make("cpu", torch.float32, seed=1)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.5, chunk_bytes=1024, max_grad_norm=0.05, delay_after=1)
+    ref = DelayedReference(model, cpu_masks(opt), delay_after=1, max_norm=0.05)
+    data = batches(6, seed=4)
+    for x, y in data[:3]:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(x, y)
+    saved = opt.state_dict()
+    ref.flush()
+    assert max_gap(model, ref.model) < 2e-5  # saving settled the pending update into the weights
+    resumed_model = copy.deepcopy(model)
+    resumed = TwinFlowAdam(resumed_model.parameters(), lr=LR, ratio=0.5, chunk_bytes=1024, max_grad_norm=0.05,
+                           delay_after=1)  # fmt: skip
+    resumed.load_state_dict(saved)
+    for x, y in data[3:]:
+        for m, o in ((model, opt), (resumed_model, resumed)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        ref.step(x, y)
+    assert max_gap(model, ref.model) < 2e-5
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_weights_loaded_into_the_model_win_over_a_pending_update(lazy_cpu_side: None) -> None:
+    model = make("cpu", torch.float32, seed=1)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=1.0, chunk_bytes=1024, delay_after=0)
+    x, y = batches(1, seed=5)[0]
+    F.mse_loss(model(x), y).backward()
+    opt.step()  # its update is pending
+    opt.zero_grad()
+    loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    F.mse_loss(model(x), y).backward()  # the step's first gradient refreshes the moved masters
+    opt.step()  # uploads nothing: the pending update of the old weights was dropped
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), loaded[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_delay_after_is_checked(bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"delay_after={bad!r}.*int >= 0"):
+        TwinFlowAdam(make("cpu", torch.float32).parameters(), delay_after=bad)
+
+
+def test_eager_attach_is_refused_with_a_delay() -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, delay_after=0)
+    with pytest.raises(ValueError, match="eager=True cannot be combined with max_grad_norm, delay_after"):
+        opt.attach(model, eager=True)
+    assert opt.attach(model)._attachment.eager is False  # the default under a delay
