@@ -242,6 +242,10 @@ class HostPipeline:
         self._late_args: StepArgs | None = None
         self._late_scale: float | None = None
         self._late_ready = self.streams.event()  # the late job's gradients are all on the host
+        # Once flush() has begun (after the next backward), the worker uploads each chunk it finishes; chunks
+        # finished before that wait in _late_finished for flush() to upload them.
+        self._late_safe = False
+        self._late_finished: list[int] = []
         self.late_jobs = 0  # delayed steps so far
 
     # ------------------------------------------------------------ main side
@@ -366,6 +370,7 @@ class HostPipeline:
                         chunk.grad_ready.record(self.streams.d2h_stream)
             self._late_job, self._late, self._late_busy = job, sorted(job), set(job)
             self._late_args, self._late_scale = args, None
+            self._late_safe, self._late_finished = False, []
             self.late_jobs += 1
             self._late_ready.record(self.streams.d2h_stream)  # after every download of this step
             for chunk in self.chunks:  # the next step's gradients land in the other set
@@ -400,23 +405,31 @@ class HostPipeline:
         activation needs the old weights: after backward, or outside a step."""
         if not self._late_job:
             return
+        if self.streams.cuda:  # after every kernel queued so far (the backward that read the old weights)
+            self.streams.h2d_stream.wait_stream(torch.cuda.current_stream(self.streams.device))
+        with self._cond:
+            self._late_safe = True  # from here on the worker uploads what it finishes
+            finished, self._late_finished = self._late_finished, []
+        for k in finished:
+            if k in self._late_job:  # drop_late_for may have emptied it
+                self._upload_late(k)
         with self._cond:
             while self._late_busy and self._error is None:
                 self._cond.wait()
             job, self._late_job = self._late_job, {}
             self._late, self._late_busy = [], set()
             self._raise_error()
-        if self.streams.cuda:  # after every kernel queued so far (the backward that read the old weights)
-            self.streams.h2d_stream.wait_stream(torch.cuda.current_stream(self.streams.device))
-        with self.streams.h2d():
-            for k, live in job.items():
-                torch._foreach_copy_([pc.dst for pc, _ in live], [h for _, h in live], non_blocking=True)
-                self.chunks[k].uploaded.record(self.streams.h2d_stream)
         for k, live in job.items():
             if wait:
                 self.streams.compute_waits(self.chunks[k].uploaded)
             for pc, _ in live:
                 self.written_version[pc.param] = self.params[pc.param]._version
+
+    def _upload_late(self, k: int) -> None:
+        live = self._late_job[k]
+        with self.streams.h2d():
+            torch._foreach_copy_([pc.dst for pc, _ in live], [h for _, h in live], non_blocking=True)
+            self.chunks[k].uploaded.record(self.streams.h2d_stream)
 
     def drop_late_for(self, moved: set[int]) -> None:
         """Parameters written outside the optimizer keep those weights: their pending upload is dropped."""
@@ -543,6 +556,13 @@ class HostPipeline:
             try:
                 if late:
                     self._late_scale = self._kernel(self._late_ready, job, args, self._late_scale)
+                    with self._cond:
+                        upload = self._late_safe
+                        if not upload:  # flush() uploads it, once the next backward is done
+                            self._late_finished.append(k)
+                            self._late_busy.discard(k)
+                    if upload:
+                        self._upload_late(k)
                 else:
                     self._run_chunk(k, job, args)
             except BaseException as exc:  # surfaced in the main thread at its next wait
