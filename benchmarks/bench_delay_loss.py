@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import site
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def train(args, data: Path, delay_after: int | None, tmp: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", args.model, "--config",
            str(config_path), "--data", str(data), "--steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--seed", "0", "--summary", str(summary)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{name} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(summary.read_text())
