@@ -162,3 +162,14 @@ def test_eager_attach_is_refused_with_a_delay() -> None:
     with pytest.raises(ValueError, match="eager=True cannot be combined with max_grad_norm, delay_after"):
         opt.attach(model, eager=True)
     assert opt.attach(model)._attachment.eager is False  # the default under a delay
+
+
+def test_auto_ratio_plans_for_the_delay() -> None:
+    model = make("cpu", torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio="auto", chunk_bytes=1024, max_grad_norm=1.0, delay_after=1)
+    opt.attach(model)
+    for x, y in batches(3, seed=6):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.auto_decision["delayed"] is True and opt.auto_decision["eager"] is False

@@ -36,12 +36,12 @@ GRID = [k / 100 for k in range(101)]
 RATES = {"cpu-bound": {}, "gpu-bound": {"cpu_elements_per_s": 20e9, "gpu_elements_per_s": 10e9}}
 
 
-def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool) -> None:
+def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool, delayed: bool = False) -> None:
     """`d` is choose_ratio's rule applied by brute force over the ratios 0, 0.01, ..., 1 (twinflow.tune's docstring):
     the smallest of the fitting ratios predicted within 2% of the fastest fitting one; 1 when none fits."""
     r = d["ratio"]
     assert 0.0 <= r <= 1.0 and r in GRID, r
-    times = {q: predict_time(x, q, placement, overlap, eager) for q in GRID}
+    times = {q: predict_time(x, q, placement, overlap, eager, delayed) for q in GRID}
     assert d["predicted_time_s"] == times[r] and d["predicted_peak_bytes"] == predict_peak(x, r)
     fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes]
     if not fitting:
@@ -100,6 +100,29 @@ def test_eager_last_hides_more_cpu_work_than_first() -> None:
     x = inputs()
     assert predict_time(x, 0.4, "last", True, True) < predict_time(x, 0.4, "first", True, True)
     assert predict_time(x, 0.4, "last", True, True) < predict_time(x, 0.4, "last", True, False)
+
+
+@pytest.mark.parametrize("budget_gib", [16, 30, 70])
+@pytest.mark.parametrize("rates", list(RATES))
+def test_delayed_choice_follows_the_rule(budget_gib: int, rates: str) -> None:
+    x = inputs(budget_bytes=budget_gib * GIB, **RATES[rates])
+    d = choose_ratio(x, "last", True, False, delayed=True)
+    assert d["delayed"] is True
+    assert_is_the_choice(x, d, "last", True, False, delayed=True)
+
+
+def test_the_delayed_update_hides_the_cpu_behind_the_next_iteration() -> None:
+    x = inputs(cpu_elements_per_s=10e9)  # 0.4 of 2.65e9 elements: 106 ms of kernel, under F + B + G (220 ms)
+    cpu = 0.4 * x.elements / x.cpu_elements_per_s + min(0.4 * x.grad_bytes, 128 << 20) / x.pcie_bytes_per_s
+    gpu = 0.6 * x.elements / x.gpu_elements_per_s
+    hidden = x.forward_s + x.backward_s + gpu + 0.25 * cpu
+    assert predict_time(x, 0.4, "last", True, False, delayed=True) == pytest.approx(hidden)
+    assert predict_time(x, 0.4, "last", True, False) > hidden  # clipping without the delay: part of it shows
+    slow = inputs(cpu_elements_per_s=2e9)  # 530 ms of kernel, over F + B + G: the step is the CPU's time
+    slow_cpu = (
+        0.4 * slow.elements / slow.cpu_elements_per_s + min(0.4 * slow.grad_bytes, 128 << 20) / slow.pcie_bytes_per_s
+    )
+    assert predict_time(slow, 0.4, "last", True, False, delayed=True) == pytest.approx(slow_cpu)
 
 
 def test_released_gradients_lower_the_predicted_peak() -> None:

@@ -264,7 +264,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self._split.locals,  # what this process steps: under FSDP2 its shards, not the whole model
             upcast_elements=device_side.UPCAST_ELEMENTS, placement=self.placement, eager=a is not None and a.eager,
             release_grads=a is not None and a.release_grads, margin=self.memory_margin, budget=self.memory_budget,
-            num_threads=self.num_threads,
+            num_threads=self.num_threads, delayed=self.delay_after is not None,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
         log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)

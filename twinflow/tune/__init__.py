@@ -21,7 +21,9 @@ F and B: forward and backward time):
   has before the next forward needs its weights: eager and placement "last":
   B + G + (1 - r) F (its gradients come first in backward, its weights are
   needed last in forward); eager and "first": r B + G + r F; with clipping or
-  fp16 (updates wait for the whole backward): G + (1 - r) F, or G + r F.
+  fp16 (updates wait for the whole backward): G + (1 - r) F, or G + r F;
+  with the delayed update (``delay_after``, attached or not): G + F + B (a
+  step's CPU update runs through the device step and the next iteration).
   k = 0.25 is the part of the CPU's work that shows on the critical path even
   when it fits the window (the worker's threads and copies slow the thread
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
@@ -82,13 +84,17 @@ def predict_peak(inputs: Inputs, ratio: float) -> float:
     return max(steady, first_step)
 
 
-def predict_time(inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool) -> float:
+def predict_time(
+    inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool, delayed: bool = False
+) -> float:
     cpu = ratio * inputs.elements / inputs.cpu_elements_per_s
     if ratio > 0:
         # the first chunk's download cannot hide behind the kernel
         cpu += min(ratio * inputs.grad_bytes, 128 << 20) / inputs.pcie_bytes_per_s
     gpu = (1 - ratio) * inputs.elements / inputs.gpu_elements_per_s
     f, b = inputs.forward_s, inputs.backward_s
+    if delayed:
+        return f + b + gpu + max(_INTERFERENCE * cpu, cpu - (gpu + f + b))
     if not overlap:
         return f + b + max(gpu, cpu)
     if eager:
@@ -98,13 +104,15 @@ def predict_time(inputs: Inputs, ratio: float, placement: str, overlap: bool, ea
     return f + b + gpu + max(_INTERFERENCE * cpu, cpu - window)
 
 
-def choose_ratio(inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100) -> dict[str, Any]:
+def choose_ratio(
+    inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100, delayed: bool = False
+) -> dict[str, Any]:
     """The decision and what it rests on (see the module docstring for the rule)."""
     ratios = [k / grid for k in range(grid + 1)]
     table = [
         {
             "ratio": r,
-            "time_s": predict_time(inputs, r, placement, overlap, eager),
+            "time_s": predict_time(inputs, r, placement, overlap, eager, delayed),
             "peak_bytes": predict_peak(inputs, r),
         }
         for r in ratios
@@ -125,6 +133,7 @@ def choose_ratio(inputs: Inputs, placement: str, overlap: bool, eager: bool, gri
         "placement": placement,
         "overlap": overlap,
         "eager": eager,
+        "delayed": delayed,
         "inputs": asdict(inputs),
     }
 
@@ -229,6 +238,7 @@ class IterationProbe:
         budget: int | None,
         num_threads: int | None,
         upcast_elements: int = UPCAST_ELEMENTS,
+        delayed: bool = False,
     ) -> dict[str, Any]:
         step_start = self._now()
         overlap = "forward_end" in self._marks
@@ -263,6 +273,6 @@ class IterationProbe:
             gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
             pcie_bytes_per_s=pcie_rate(self.device),
         )
-        decision = choose_ratio(inputs, placement, overlap, eager)
+        decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed)
         decision["release_grads"] = release_grads
         return decision
