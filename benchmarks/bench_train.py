@@ -11,6 +11,8 @@ step runs on the CPU):
                 TwinFlowAdam attached to the model; several: FSDP2, stage 3)
   twinflow-delay:R  the same with offload_delay_after 1: the CPU share's
                 update lands one step late (not exact)
+  twinflow-spec:R   the same with offload_speculate (exact): under --clip
+                the CPU steps as gradients land, redoing clipped steps
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
@@ -56,8 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
 
-SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "ds-z3", "ds-z2", "torchao")
-TWINFLOW = ("twinflow", "twinflow-delay")
+SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "torchao")
+TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
@@ -105,9 +107,10 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
     }
 
 
-def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, delay: bool = False) -> dict:
+def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, mode: str = "") -> dict:
     return {
-        "offload_delay_after": 1 if delay else None,
+        "offload_delay_after": 1 if mode == "delay" else None,
+        "offload_speculate": mode == "spec",
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -160,12 +163,17 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
     elif name in TWINFLOW:
         import twinflow
 
-        config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip, name == "twinflow-delay")
+        config = twinflow_config(ratio, args.micro_batch, world, args.placement, args.clip, name.partition("-")[2])
         engine, _, _, _ = twinflow.initialize(model=model, config=config)
         opt = engine.local_optimizer
         finish = opt.synchronize
         # released: device gradient memory handed back during the last backward (attached, wholly CPU-stepped)
-        report = lambda: {"attached": opt.attached, "released_grad_gib": opt.released_grad_bytes / 2**30}  # noqa: E731
+        pipeline = opt._split.pipeline
+
+        def report() -> dict:
+            return {"attached": opt.attached, "released_grad_gib": opt.released_grad_bytes / 2**30,
+                    "rollbacks": pipeline.rollbacks if pipeline else 0,
+                    "steps_not_speculated": opt._speculation.skipped}  # fmt: skip
     else:  # DeepSpeed
         import deepspeed
 

@@ -46,8 +46,8 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
 
     original_open, original_wait = HostPipeline.open, HostPipeline.wait
 
-    def open_(self, args=None) -> None:
-        original_open(self, args)
+    def open_(self, args=None, speculative: bool = False) -> None:
+        original_open(self, args, speculative)
         with self._cond:
             self._asked = -1  # no chunk of the new step waited for yet
 

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.test_speculation import drain
 from twinflow import TwinFlowAdam
 
 LR, WD, STEPS = 3e-3, 0.01, 6
@@ -68,15 +69,17 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
 
 
 def _worker(
-    rank: int, port: int, how: str, ratio: float, placement: str, clip: float | None, out: str, delay: int | None = None
-) -> None:
+    rank: int, port: int, how: str, ratio: float, placement: str, clip: float | None, out: str,
+    delay: int | None = None, speculate: bool = False,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         model = make_model()
         net = wrap(model, how)
         opt = TwinFlowAdam(model.parameters(), lr=LR, weight_decay=WD, ratio=ratio, placement=placement,
-                           max_grad_norm=clip, chunk_bytes=512, delay_after=delay).attach(net)  # fmt: skip
+                           max_grad_norm=clip, chunk_bytes=512, delay_after=delay,
+                           speculate=speculate).attach(net)  # fmt: skip
         assert opt.attached and opt.split_summary["chunks"] > 1
         for x, y in batches():
             F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
@@ -84,9 +87,13 @@ def _worker(
             assert opt._split.pipeline.phase == "open" and opt._attachment.streamed
             # FSDP2's reduced shards of wholly CPU-stepped parameters are handed back; DDP's buckets hold them all
             assert (opt.released_grad_bytes > 0) == (how == "fsdp2")
+            if speculate:
+                drain(opt)  # every landed chunk is stepped before the norm is known
             opt.step()
             opt.zero_grad()
         opt.synchronize()
+        if speculate:  # steps were taken before the norm was known, and checked against it
+            assert opt._split.pipeline.speculated_chunks > 0
         whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         torch.save([p.detach().clone() for p in whole], os.path.join(out, f"rank{rank}.pt"))
         torch.distributed.barrier()  # both ranks done before either tears gloo down (a lone exit can abort)
@@ -119,6 +126,18 @@ def one_process_delayed(clip: float, ratio: float, placement: str, delay: int) -
         opt.zero_grad()
     opt.synchronize()
     return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e9], ids=["clipping", "unclipped"])
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_two_ranks_speculative_match_one_process(tmp_path, how: str, clip: float) -> None:
+    args = (free_port(), how, 0.6, "last", clip, str(tmp_path), None, True)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
+    want = reference(clip)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 # Which elements are delayed must match: DDP splits whole parameters as one process does, while FSDP2 splits

@@ -238,6 +238,8 @@ class Config(_Section):
     # Opt-in, not exact: after this many exact steps the CPU share's update of each step lands one step late
     # (ZeRO-Offload's delayed parameter update), so the CPU stays hidden when training clips.
     offload_delay_after: Annotated[Count, Field(ge=0)] | None = None
+    # Exact: under clipping the CPU steps as gradients land and redoes the steps the norm clipped.
+    offload_speculate: Flag = False
     world_size: Annotated[Count, Field(gt=0)] = 1
 
     @model_validator(mode="after")

@@ -140,6 +140,7 @@ class Engine:
             "placement": config.offload_placement,
             "max_grad_norm": (config.gradient_clipping or None) if clip else None,
             "delay_after": config.offload_delay_after,
+            "speculate": config.offload_speculate,
         }
         if opt is not None:
             p = opt.params

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from twinflow import distributed
+from twinflow import distributed, speculation
 from twinflow.pipeline import HostPipeline
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,8 @@ class Attachment:
         opt, pipeline = self.opt, self.opt._split.pipeline
         with self.lock:  # under DDP, buckets arrive on several communication threads
             if pipeline.phase != "open":
-                opt._open_step(opt._step_args() if self.eager else None)
+                spec = not self.eager and speculation.speculating(opt)
+                opt._open_step(opt._step_args() if self.eager or spec else None, spec)
         if not self.eager:
             opt._scale.add_norm(grad)
         pipeline.download(i, grad)

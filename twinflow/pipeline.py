@@ -30,6 +30,13 @@ the CPU share's weights are one step stale. Downloads of the next step land
 in a second set of buffers, since the late job still reads and writes the
 first; the two sets swap at every delayed seal. ``flush()`` applies a
 pending late job at once.
+
+Speculation (``open(args, speculative=True)``, under clipping): the worker
+steps chunks as they land, with multiplier 1, writing the weights into the
+second buffer set so that the gradients stay where they landed, and holds
+them. At ``seal()`` the real multiplier is known: 1 releases the held chunks
+as they are (bit for bit the exact step); anything else undoes them
+(:func:`twinflow.speculation.undo_adam_`) and redoes them with it.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinflow import ops
+from twinflow import ops, speculation
 from twinflow.cpu_adam import check_hyperparams
 from twinflow.transfer import Streams, pinned_buffers, view
 
@@ -247,6 +254,14 @@ class HostPipeline:
         self._late_safe = False
         self._late_finished: list[int] = []
         self.late_jobs = 0  # delayed steps so far
+        # Speculation: chunks stepped with multiplier 1 before seal(), held until the verdict (seal's args).
+        self._spec = False
+        self._spec_held: list[int] = []
+        self._verdict: StepArgs | None = None
+        self._running: int | None = None  # the chunk the worker is on (normal or speculative)
+        self.rollbacks = 0  # speculative steps undone and redone (their multiplier was not 1)
+        self.speculated_chunks = 0  # chunks stepped before their step's multiplier was known
+        self.last_scale: float | None = None  # the multiplier of the last step the CPU share took
 
     # ------------------------------------------------------------ main side
     @property
@@ -261,10 +276,16 @@ class HostPipeline:
         """The arguments an eager step was opened with (the worker may already use them), else None."""
         return self._args if self._phase == "open" else None
 
-    def open(self, args: StepArgs | None = None) -> None:
-        """Starts a step's downloads; with `args` the worker may step chunks as soon as they are down."""
+    def open(self, args: StepArgs | None = None, speculative: bool = False) -> None:
+        """Starts a step's downloads; with `args` the worker may step chunks as soon as they are down
+        (`speculative`: with multiplier 1, held until ``seal()`` gives the real one)."""
         self.finish()
+        if speculative:
+            if self.chunks and self.chunks[0].spare is None:
+                self._make_spare()
+            args.scale = 1.0
         with self._cond:
+            self._spec, self._spec_held, self._verdict = speculative, [], None
             self._raise_error()
             self._phase = "open"
             self._down = set()
@@ -318,6 +339,10 @@ class HostPipeline:
         eager overlap (the worker may already have used them), else `args` with the gradient multiplier
         ``scale()`` (clipping). `delayed`: the step becomes the late job, and the last one's weights go up now.
         """
+        if self._spec:  # the worker checks the held chunks against these arguments
+            args.scale = scale()
+            self._seal_ready(args)
+            return args
         eager = self.released_args
         if eager is not None:
             if eager.groups != args.groups:
@@ -330,7 +355,14 @@ class HostPipeline:
             self._seal_late(args)
             return args
         self.flush(wait=False)  # an exact step after a delayed one: the pending weights go up first
+        self._seal_ready(args)
+        return args
+
+    def _seal_ready(self, args: StepArgs) -> None:
+        """Chunks still missing gradients become ready with what they have; the worker may run them all."""
         with self._cond:
+            if self._spec:
+                self._verdict = args
             for k, chunk in enumerate(self.chunks):
                 if self._missing[k] == 0:
                     continue
@@ -347,7 +379,6 @@ class HostPipeline:
             self._cond.notify_all()
         self.streams.compute_after_downloads()
         self._start_worker()
-        return args
 
     def _push_ready(self, k: int) -> None:
         """Caller holds the lock."""
@@ -459,7 +490,8 @@ class HostPipeline:
 
     def wait(self, chunk_ids: list[int]) -> None:
         """The compute stream waits for these chunks' uploads (host-blocks only until each upload is queued)."""
-        if self._phase == "open" and self._args is not None and torch._C._current_graph_task_id() == -1:
+        if (self._phase == "open" and self._args is not None and not self._spec
+                and torch._C._current_graph_task_id() == -1):  # fmt: skip
             raise RuntimeError(
                 "TwinFlowAdam: the model ran forward after backward but before step(), while the CPU share was "
                 "already stepping (attach() is eager by default), so it would read weights the CPU is writing. "
@@ -501,7 +533,15 @@ class HostPipeline:
         with self._cond:
             if self._phase != "open":
                 return
-            if self._args is not None:
+            if self._spec:  # the held chunks are undone: the state is as before the step
+                self._ready = []
+                while self._running is not None and self._error is None:
+                    self._cond.wait()
+                self._raise_error()
+                held, self._spec_held = self._spec_held, []
+                for k in held:
+                    self._undo(k, self._args)
+            elif self._args is not None:
                 raise RuntimeError(
                     "zero_grad() after the CPU share already stepped in backward (eager overlap): that update "
                     "cannot be undone. Call step() after backward, or attach with eager=False"
@@ -540,21 +580,31 @@ class HostPipeline:
             torch.cuda.set_device(self.streams.device)
         while True:
             with self._cond:
-                while not self._stop and not (self._args is not None and self._ready) and not self._late:
+                while not (self._stop or (self._args is not None and self._ready) or self._late
+                           or (self._verdict is not None and self._spec_held)):  # fmt: skip
                     self._cond.wait()
                 if self._stop:
                     return
-                late = not (self._args is not None and self._ready)
-                if late:
+                task = "verdict" if self._verdict is not None and self._spec_held else "late"
+                if self._args is not None and self._ready and task != "verdict":
+                    task = "chunk"
+                if task == "verdict":
+                    held, self._spec_held = self._spec_held, []
+                    args, self._running = self._verdict, -1
+                elif task == "late":
                     k = self._pick_late()
                     job, args = self._late_job[k], self._late_args
                 else:
                     k = self._pick()
-                    args = self._args
-                    job = [(pc, pc.host) for pc in self.chunks[k].pieces if pc.param in self._down]
-            error = None
+                    self._running = k
+                    job = self._job(k)
+                    spec_args = self._args if self._spec and self._verdict is None else None
+                    args = self._verdict if self._spec and self._verdict is not None else self._args
+            error, done = None, []
             try:
-                if late:
+                if task == "verdict":
+                    done = self._settle_held(held, args)
+                elif task == "late":
                     self._late_scale = self._kernel(self._late_ready, job, args, self._late_scale)
                     with self._cond:
                         upload = self._late_safe
@@ -563,17 +613,58 @@ class HostPipeline:
                             self._late_busy.discard(k)
                     if upload:
                         self._upload_late(k)
+                elif spec_args is not None:  # no verdict yet: multiplier 1, weights into the spare buffer, held
+                    self._kernel(self.chunks[k].grad_ready, job, spec_args, 1.0, spare=True)
+                    with self._cond:
+                        self._spec_held.append(k)
                 else:
                     self._run_chunk(k, job, args)
+                    done = [k]
             except BaseException as exc:  # surfaced in the main thread at its next wait
                 error = exc
+                done = held if task == "verdict" else [k]
             with self._cond:
                 self._error = error or self._error
-                if late:
+                if task == "late":
                     self._late_busy.discard(k)
                 else:
-                    self._done[k] = True
+                    self._running = None
+                    for j in done:
+                        self._done[j] = True
                 self._cond.notify_all()
+
+    def _settle_held(self, held: list[int], verdict: StepArgs) -> list[int]:
+        """The verdict on chunks stepped with multiplier 1: kept if it is 1 (and the hyper-parameters did not
+        change), else undone and redone with it; then uploaded. Returns them."""
+        scale = verdict.scale() if callable(verdict.scale) else float(verdict.scale)
+        self._scale = self.last_scale = scale
+        redo = scale != 1.0 or verdict.groups != self._args.groups
+        self.speculated_chunks += len(held)
+        if redo:
+            self.rollbacks += 1
+        for k in sorted(held):
+            job = self._job(k)
+            if redo:
+                self._undo(k, self._args)
+                self._kernel(self.chunks[k].grad_ready, job, verdict, scale, spare=True)
+            self._upload(k, [(pc, pc.spare) for pc, _ in job])
+        return held
+
+    def _job(self, k: int) -> list[tuple[_Piece, torch.Tensor]]:
+        return [(pc, pc.host) for pc in self.chunks[k].pieces if pc.param in self._down]
+
+    def _undo(self, k: int, args: StepArgs) -> None:
+        """Puts back the state from before chunk k's step with multiplier 1 (its gradients are still in place)."""
+        for pc, host in self._job(k):
+            group = args.groups[self.group_of[pc.param]]
+            speculation.undo_adam_(pc.master, pc.exp_avg, pc.exp_avg_sq, host, args.steps[pc.param], group)
+
+    def _upload(self, k: int, job: list[tuple[_Piece, torch.Tensor]]) -> None:
+        with self.streams.h2d():
+            torch._foreach_copy_([pc.dst for pc, _ in job], [h for _, h in job], non_blocking=True)
+            self.chunks[k].uploaded.record(self.streams.h2d_stream)
+        for pc, _ in job:  # the version our own write left: a later change means the weights moved outside
+            self.written_version[pc.param] = self.params[pc.param]._version
 
     def _pick(self) -> int:
         """The lowest ready chunk whose gradients have landed, else the lowest ready one (caller holds the lock).
@@ -591,7 +682,7 @@ class HostPipeline:
         return self._late.pop(0)
 
     def _kernel(self, ready: object, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
-                scale: float | None) -> float:  # fmt: skip
+                scale: float | None, spare: bool = False) -> float:  # fmt: skip
         """Steps `job`'s pieces from the gradients in their host views (on the host once `ready`), leaving the
         weights there; returns the gradient multiplier (read from `args` unless known)."""
         ready.synchronize()
@@ -617,7 +708,8 @@ class HostPipeline:
                 weight_decay=g["weight_decay"],
                 adamw_mode=g["adamw_mode"],
                 bias_correction=g["bias_correction"],
-                out_copies=hosts,  # in place: each gradient element is read before its weight is written
+                # in place (each gradient element is read before its weight is written), or into the spare buffer
+                out_copies=[pc.spare for pc in group_pieces] if spare else hosts,
                 grad_scale=scale,
                 num_threads=self.num_threads,
             )
@@ -629,13 +721,9 @@ class HostPipeline:
         picked = time.perf_counter()
         chunk.grad_ready.synchronize()
         start = time.perf_counter()
-        self._scale = self._kernel(chunk.grad_ready, job, args, self._scale)
-        with self.streams.h2d():
-            kernel_end = time.perf_counter()
-            torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
-            chunk.uploaded.record(self.streams.h2d_stream)
-        for pc in pieces:  # the version our own write left: a later change means the weights moved outside
-            self.written_version[pc.param] = self.params[pc.param]._version
+        self._scale = self.last_scale = self._kernel(chunk.grad_ready, job, args, self._scale)
+        kernel_end = time.perf_counter()
+        self._upload(k, job)
         if self.timeline is not None:
             elements = sum(pc.end - pc.start for pc in pieces)
             times = {"ready": self._ready_at[k], "picked": picked, "start": start, "kernel_end": kernel_end}

@@ -152,9 +152,9 @@ class SplitState:
             self.pipeline = None
 
     # ------------------------------------------------------------------- a step
-    def open(self, args: StepArgs | None) -> None:
-        """A step's first gradient is about to go down (`args`: eager, the worker may start at once)."""
-        self.pipeline.open(args)  # waits for the last step's writes: the masters are settled
+    def open(self, args: StepArgs | None, speculative: bool = False) -> None:
+        """A step's first gradient is about to go down (`args`: the worker may start at once)."""
+        self.pipeline.open(args, speculative)  # waits for the last step's writes: the masters are settled
         self.refresh_moved_masters()
 
     def with_grad(self, streamed: set[int]) -> list[int]:

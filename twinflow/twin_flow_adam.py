@@ -21,6 +21,7 @@ from twinflow.cpu_adam import ParamsT, adam_defaults, check_adamw_flags
 from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
 from twinflow.pipeline import StepArgs, check_chunk_bytes, check_delay_after
+from twinflow.speculation import SpeculationPolicy
 from twinflow.split_state import SplitState
 from twinflow.step_scale import StepScale, check_max_grad_norm
 from twinflow.tune import IterationProbe
@@ -43,7 +44,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
     (one step stale: ZeRO-Offload's delayed parameter update; the CPU stays hidden when clipping). ``state``,
     ``state_dict()`` and ``load_state_dict()`` are torch.optim's (with a ``master`` entry for bf16/fp16
     parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements; saving applies
-    a pending delayed update.
+    a pending delayed update. ``speculate=True`` (attached, clipping; exact): the CPU steps as gradients land,
+    undoing and redoing when the norm clips (:mod:`twinflow.speculation`).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         num_threads: int | None = None,
         max_grad_norm: float | None = None,
         delay_after: int | None = None,
+        speculate: bool = False,
         memory_margin: float = 0.1,
         memory_budget: int | None = None,
         amsgrad: bool = False,
@@ -82,7 +85,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         check_delay_after(delay_after)
         super().__init__(params, defaults)
         self.chunk_bytes, self.num_threads, self.max_grad_norm = chunk_bytes, num_threads, max_grad_norm
-        self.delay_after = delay_after
+        self.delay_after, self.speculate = delay_after, bool(speculate)
+        self._speculation = SpeculationPolicy()
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
         self._split, self._groups_added = SplitState(self.param_groups), False
         self.device = self._split.device
@@ -184,9 +188,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def _step_args(self) -> StepArgs:
         return StepArgs.of(self.param_groups, [s + 1 for s in self._split.steps])  # checks the hyper-parameters
 
-    def _open_step(self, args: StepArgs | None) -> None:
-        """A step's first gradient is about to go down (`args`: eager, the worker may start at once)."""
-        self._split.open(args)
+    def _open_step(self, args: StepArgs | None, speculative: bool = False) -> None:
+        """A step's first gradient is about to go down (`args`: the worker may start at once)."""
+        self._split.open(args, speculative)
         self._scale.forget_norms()
         if self._attachment is not None:
             self._attachment.open_step()
@@ -322,7 +326,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SETTINGS = (
-    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "memory_margin", "memory_budget"
+    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "speculate", "memory_margin",
+    "memory_budget",
 )  # fmt: skip
 
 
