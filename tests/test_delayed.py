@@ -117,9 +117,10 @@ def test_state_dict_applies_the_pending_update_and_resumes_exactly() -> None:
         opt.step()
         opt.zero_grad()
         ref.step(x, y)
+    opt.synchronize()  # as save_checkpoint does: the pending update goes into the weights
     saved = opt.state_dict()
     ref.flush()
-    assert max_gap(model, ref.model) < 2e-5  # saving settled the pending update into the weights
+    assert max_gap(model, ref.model) < 2e-5
     resumed_model = copy.deepcopy(model)
     resumed = TwinFlowAdam(resumed_model.parameters(), lr=LR, ratio=0.5, chunk_bytes=1024, max_grad_norm=0.05,
                            delay_after=1)  # fmt: skip
@@ -148,6 +149,34 @@ def test_weights_loaded_into_the_model_win_over_a_pending_update(lazy_cpu_side: 
     opt.step()  # uploads nothing: the pending update of the old weights was dropped
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), loaded[name], rtol=0, atol=0)
+
+
+def test_reading_the_state_between_forward_and_backward_leaves_the_weights_alone() -> None:
+    model = make("cpu", torch.float32, seed=1)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=1.0, chunk_bytes=1024, delay_after=0).attach(model)
+    for i, (x, y) in enumerate(batches(3, seed=8)):
+        loss = F.mse_loss(model(x), y)
+        assert len(opt.state) == (len(list(model.parameters())) if i else 0)  # waits for the kernel, uploads nothing
+        opt.state_dict()
+        loss.backward()  # an upload here would have changed weights this backward saved
+        opt.step()
+        opt.zero_grad()
+    assert opt._split.pipeline.late_pending
+
+
+def test_weights_changed_keeps_the_new_weights_over_a_pending_update() -> None:
+    model = make("cpu", torch.float32, seed=1)
+    opt = TwinFlowAdam(model.parameters(), lr=LR, ratio=0.5, chunk_bytes=1024, delay_after=0)
+    for x, y in batches(2, seed=9):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for p in model.parameters():
+        p.data.fill_(0.5)
+    opt.weights_changed()
+    opt.synchronize()
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+    assert all(bool((e["master"] == 0.5).all()) for e in opt.state_dict()["state"].values() if "master" in e)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])

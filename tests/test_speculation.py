@@ -94,6 +94,38 @@ def test_speculation_stops_while_steps_clip_and_resumes_after() -> None:
     assert pipeline.rollbacks == 2
 
 
+@pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)])
+def test_speculation_undoes_a_zero_beta(betas: tuple[float, float]) -> None:
+    # A zero beta keeps nothing of the old moment: the undo cannot divide by it
+    models = []
+    for speculate in (True, False):
+        model = make("cpu", torch.float32, seed=2)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, betas=betas, ratio=0.6, chunk_bytes=1024,
+                           max_grad_norm=0.05, speculate=speculate).attach(model)  # fmt: skip
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            F.mse_loss(model(torch.randn(8, 12, generator=gen)), torch.randn(8, 12, generator=gen)).backward()
+            drain(opt)
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.isfinite(p).all()  # the undo divided by the zero beta: NaN
+        if betas[1] != 0.0:  # with beta2 = 0 an update divides by |g| + eps: round-off is amplified without bound
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+
+
+def test_an_abandoned_step_does_not_count_as_clipped() -> None:
+    model, opt = run("cpu", True, max_norm=0.05, steps=1)  # one clipped step
+    F.mse_loss(model(torch.randn(8, 12)), torch.randn(8, 12)).backward()
+    drain(opt)
+    opt.zero_grad()  # abandoned: no multiplier is known for it
+    F.mse_loss(model(torch.randn(8, 12)), torch.randn(8, 12)).backward()
+    assert opt._speculation.clipped_in_a_row == 1 and opt._split.pipeline._spec  # still speculating
+    opt.step()
+
+
 def test_zero_grad_before_step_undoes_the_speculative_updates() -> None:
     model, opt = run("cpu", True, max_norm=1e9, steps=2)
     before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}

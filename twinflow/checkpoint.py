@@ -314,6 +314,8 @@ def save_checkpoint(
     try:
         created += _make_dirs(directory)
         _remove_stale_temporaries(directory)
+        if callable(getattr(optimizer, "synchronize", None)):
+            optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
         shard = {
             "model": _local_state(model),
             "optimizer": optimizer.state_dict(),

@@ -286,6 +286,7 @@ class HostPipeline:
             args.scale = 1.0
         with self._cond:
             self._spec, self._spec_held, self._verdict = speculative, [], None
+            self.last_scale = None  # set once this step's multiplier is read
             self._raise_error()
             self._phase = "open"
             self._down = set()
@@ -462,10 +463,13 @@ class HostPipeline:
             torch._foreach_copy_([pc.dst for pc, _ in live], [h for _, h in live], non_blocking=True)
             self.chunks[k].uploaded.record(self.streams.h2d_stream)
 
-    def drop_late_for(self, moved: set[int]) -> None:
+    def drop_late_for(self, moved: set[int], why: str = "were written outside the optimizer") -> None:
         """Parameters written outside the optimizer keep those weights: their pending upload is dropped."""
-        if not self._late_job:
+        if not self._late_job or not any(pc.param in moved for live in self._late_job.values() for pc, _ in live):
             return
+        log.warning("%d parameters %s while a delayed update was pending: they keep the new weights and that "
+                    "step's CPU update is dropped (its moments stay); call synchronize() before writing weights "
+                    "to keep it", len(moved), why)  # fmt: skip
         with self._cond:
             while self._late_busy and self._error is None:
                 self._cond.wait()
@@ -518,6 +522,15 @@ class HostPipeline:
         """Every update taken so far, a delayed one included, is in the weights the current stream sees."""
         self.finish()
         self.flush()
+
+    def settle_state(self) -> None:
+        """Every update taken so far is in the masters and moments; a delayed one's weights may still be pending
+        (uploading them could change weights a backward still needs)."""
+        self.finish()
+        with self._cond:
+            while self._late_busy and self._error is None:
+                self._cond.wait()
+            self._raise_error()
 
     def finish(self) -> None:
         """Waits for every chunk of the step in flight; the compute stream then sees all uploaded weights."""

@@ -43,8 +43,15 @@ def undo_adam_(
     g = grad.float()
     if not group["adamw_mode"] and wd != 0.0:
         g = g + f32(wd) * master
-    exp_avg.sub_(g, alpha=float(f32(1.0 - beta1))).div_(f32(beta1))
-    exp_avg_sq.sub_(g * g, alpha=float(f32(1.0 - beta2))).div_(f32(beta2)).clamp_(min=0.0)
+    # A zero beta leaves nothing of the old moment; the redo multiplies it by zero, so any finite value does.
+    if beta1 == 0.0:
+        exp_avg.zero_()
+    else:
+        exp_avg.sub_(g, alpha=float(f32(1.0 - beta1))).div_(f32(beta1))
+    if beta2 == 0.0:
+        exp_avg_sq.zero_()
+    else:
+        exp_avg_sq.sub_(g * g, alpha=float(f32(1.0 - beta2))).div_(f32(beta2)).clamp_(min=0.0)
 
 
 class SpeculationPolicy:
@@ -56,7 +63,8 @@ class SpeculationPolicy:
         self.skipped = 0  # steps not speculated because of clipping
 
     def note(self, last_scale: float | None) -> None:
-        """The multiplier of the last step the CPU share took (None: none taken yet)."""
+        """The multiplier of the CPU share's last step (None: no step since the last note, e.g. one abandoned
+        by zero_grad before step())."""
         if last_scale is not None:
             self.clipped_in_a_row = self.clipped_in_a_row + 1 if last_scale != 1.0 else 0
 
@@ -75,5 +83,8 @@ def speculating(opt: torch.optim.Optimizer) -> bool:
         return False
     if any(p.dtype == torch.float16 for p in split.params):
         return False
+    if any(g["adamw_mode"] and g["lr"] * g["weight_decay"] == 1.0 for g in opt.param_groups):
+        return False  # the decay zeroes the master: nothing to undo from
+    split.pipeline.finish()  # the last step's multiplier is known once its chunks are done
     opt._speculation.note(split.pipeline.last_scale)
     return opt._speculation.speculate()

@@ -43,9 +43,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
     CPU share's update of each step runs during the next iteration and reaches the weights at its ``step()``
     (one step stale: ZeRO-Offload's delayed parameter update; the CPU stays hidden when clipping). ``state``,
     ``state_dict()`` and ``load_state_dict()`` are torch.optim's (with a ``master`` entry for bf16/fp16
-    parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements; saving applies
-    a pending delayed update. ``speculate=True`` (attached, clipping; exact): the CPU steps as gradients land,
-    undoing and redoing when the norm clips (:mod:`twinflow.speculation`).
+    parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements;
+    ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
+    clipping): the CPU steps as gradients land, undoing and redoing when the norm clips
+    (:mod:`twinflow.speculation`).
     """
 
     def __init__(
@@ -174,8 +175,12 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self.sync_gradients = previous
 
     def weights_changed(self) -> None:
-        """Call after writing weights through ``.data`` (``synchronize()`` first when attached): masters follow."""
-        self.synchronize()
+        """Call after writing weights through ``.data`` (``synchronize()`` first when attached): masters follow;
+        a pending delayed update is dropped, not written over the new weights."""
+        pipeline = self._split.pipeline
+        if pipeline is not None and not self._split.step_open:
+            pipeline.finish()
+            pipeline.drop_late_for(set(pipeline.pieces_of), "were changed (weights_changed())")
         self._split.forget_written()
 
     def synchronize(self) -> None:
@@ -288,7 +293,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
         derived on each read from the optimizer's own buffers once the CPU share's last step has finished."""
         split = getattr(self, "_split", None)
         if split is not None and split.built and not split.step_open:
-            self.synchronize()
+            if split.pipeline is not None:
+                split.pipeline.settle_state()
             self._state_map.clear()
             self._state_map.update({split.params[i]: entry for i, entry in split.export().items()})
         return self._state_map
