@@ -27,15 +27,10 @@ def drain(opt: TwinFlowAdam) -> None:
             pipeline._cond.wait()
 
 
-def run(device: str, speculate: bool, max_norm: float, steps: int = 8, off_after: int | None = None,
-        dtype: torch.dtype | None = None):  # fmt: skip
-    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    model = make(device, dtype, seed=2)
-    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=1024,
-                       max_grad_norm=max_norm, speculate=speculate).attach(model)  # fmt: skip
-    if off_after is not None:
-        opt._speculation.off_after = off_after
-    gen = torch.Generator().manual_seed(7)
+def train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int) -> None:
+    """Steps with random batches; every landed chunk is stepped before step() gives the verdict."""
+    device, dtype = model.inp.weight.device, model.inp.weight.dtype
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x, y = torch.randn(8, 12, generator=gen).to(device, dtype), torch.randn(8, 12, generator=gen).to(device, dtype)
         F.mse_loss(model(x).float(), y.float()).backward()
@@ -43,6 +38,17 @@ def run(device: str, speculate: bool, max_norm: float, steps: int = 8, off_after
         opt.step()
         opt.zero_grad()
     opt.synchronize()
+
+
+def run(device: str, speculate: bool, max_norm: float, steps: int = 8, off_after: int | None = None,
+        dtype: torch.dtype | None = None, betas: tuple[float, float] = (0.9, 0.999)):  # fmt: skip
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    model = make(device, dtype, seed=2)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, betas=betas, ratio=0.6, placement="last", chunk_bytes=1024,
+                       max_grad_norm=max_norm, speculate=speculate).attach(model)  # fmt: skip
+    if off_after is not None:
+        opt._speculation.off_after = off_after
+    train(model, opt, steps, seed=7)
     return model, opt
 
 
@@ -82,13 +88,7 @@ def test_speculation_stops_while_steps_clip_and_resumes_after() -> None:
     pipeline = opt._split.pipeline
     assert pipeline.rollbacks == 2 and opt._speculation.skipped == 4
     opt.max_grad_norm = 1e9  # clipping stops
-    gen = torch.Generator().manual_seed(8)
-    for _ in range(3):
-        F.mse_loss(model(torch.randn(8, 12, generator=gen)), torch.randn(8, 12, generator=gen)).backward()
-        drain(opt)
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
+    train(model, opt, 3, seed=8)
     # the first unclipped step runs exact (the last one clipped); then speculation is back
     assert opt._speculation.skipped == 5 and pipeline.speculated_chunks == 4 * len(pipeline.chunks)
     assert pipeline.rollbacks == 2
@@ -97,19 +97,7 @@ def test_speculation_stops_while_steps_clip_and_resumes_after() -> None:
 @pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)])
 def test_speculation_undoes_a_zero_beta(betas: tuple[float, float]) -> None:
     # A zero beta keeps nothing of the old moment: the undo cannot divide by it
-    models = []
-    for speculate in (True, False):
-        model = make("cpu", torch.float32, seed=2)
-        opt = TwinFlowAdam(model.parameters(), lr=1e-2, betas=betas, ratio=0.6, chunk_bytes=1024,
-                           max_grad_norm=0.05, speculate=speculate).attach(model)  # fmt: skip
-        gen = torch.Generator().manual_seed(3)
-        for _ in range(3):
-            F.mse_loss(model(torch.randn(8, 12, generator=gen)), torch.randn(8, 12, generator=gen)).backward()
-            drain(opt)
-            opt.step()
-            opt.zero_grad()
-        opt.synchronize()
-        models.append(model)
+    models = [run("cpu", speculate, max_norm=0.05, steps=3, betas=betas)[0] for speculate in (True, False)]
     for p, q in zip(*(m.parameters() for m in models)):
         assert torch.isfinite(p).all()  # the undo divided by the zero beta: NaN
         if betas[1] != 0.0:  # with beta2 = 0 an update divides by |g| + eps: round-off is amplified without bound
