@@ -101,7 +101,7 @@ def test_speculation_undoes_a_zero_beta(betas: tuple[float, float]) -> None:
     for p, q in zip(*(m.parameters() for m in models)):
         assert torch.isfinite(p).all()  # the undo divided by the zero beta: NaN
         if betas[1] != 0.0:  # with beta2 = 0 an update divides by |g| + eps: round-off is amplified without bound
-            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-4)  # the redo bound of the test above, over 3 steps
 
 
 def test_an_abandoned_step_does_not_count_as_clipped() -> None:
