@@ -33,10 +33,11 @@ class Attachment:
     def __init__(
         self, opt: torch.optim.Optimizer, model: torch.nn.Module, release_grads: bool, eager: bool | None
     ) -> None:
-        fp16 = any(p.dtype == torch.float16 for p in opt._split.params)
+        self.fp16 = any(p.dtype == torch.float16 for p in opt._split.params)
+        needs_all_grads = opt.max_grad_norm is not None or self.fp16 or opt.delay_after is not None
         if eager is None:
-            eager = opt.max_grad_norm is None and not fp16 and opt.delay_after is None
-        elif eager and (opt.max_grad_norm is not None or fp16 or opt.delay_after is not None):
+            eager = not needs_all_grads
+        elif eager and needs_all_grads:
             raise ValueError(
                 "eager=True cannot be combined with max_grad_norm, delay_after or fp16 parameters: each needs "
                 "every gradient before any update; leave eager unset"
@@ -224,7 +225,7 @@ class Attachment:
         if w in changed and copy is not None and torch.equal(distributed.local(params[w].grad), copy):
             # Written with the same values: clip_grad_norm_ multiplied by 1 (Hugging Face Trainer's logged norm,
             # max_norm=inf). Exact only if the clipper saw every gradient; released ones it could not see.
-            if self.released_grad_bytes == 0:
+            if not self.released:
                 return
             raise RuntimeError(
                 "gradients were passed through an outside clip_grad_norm_ after backward while TwinFlowAdam is "

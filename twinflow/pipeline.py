@@ -261,7 +261,6 @@ class HostPipeline:
         self._running: int | None = None  # the chunk the worker is on (normal or speculative)
         self.rollbacks = 0  # speculative steps undone and redone (their multiplier was not 1)
         self.speculated_chunks = 0  # chunks stepped before their step's multiplier was known
-        self.last_scale: float | None = None  # the multiplier of the last step the CPU share took
 
     # ------------------------------------------------------------ main side
     @property
@@ -281,12 +280,10 @@ class HostPipeline:
         (`speculative`: with multiplier 1, held until ``seal()`` gives the real one)."""
         self.finish()
         if speculative:
-            if self.chunks and self.chunks[0].spare is None:
-                self._make_spare()
+            self._make_spare()
             args.scale = 1.0
         with self._cond:
             self._spec, self._spec_held, self._verdict = speculative, [], None
-            self.last_scale = None  # set once this step's multiplier is read
             self._raise_error()
             self._phase = "open"
             self._down = set()
@@ -390,12 +387,11 @@ class HostPipeline:
     def _seal_late(self, args: StepArgs) -> None:
         """Uploads the last late job's weights (after this backward), and makes this step the next late job."""
         self.flush(wait=False)  # the forward's pre-hooks (or finish()) make the compute stream wait per chunk
-        if self.chunks and self.chunks[0].spare is None:  # the first delayed step: a second buffer set
-            self._make_spare()
+        self._make_spare()
         with self._cond:
             job = {}
             for k, chunk in enumerate(self.chunks):
-                live = [(pc, pc.host) for pc in chunk.pieces if pc.param in self._down]
+                live = self._job(k)
                 if live:
                     job[k] = live
                     if self._missing[k] != 0:
@@ -419,12 +415,20 @@ class HostPipeline:
         self._start_worker()
 
     def _make_spare(self) -> None:
+        """The second buffer set, made the first time a delayed or speculative step needs it."""
+        if not self.chunks or self.chunks[0].spare is not None:
+            return
         spares = pinned_buffers(self._sizes, self.streams.cuda, "the delayed update's second gradient buffers")
         self.pinned_bytes *= 2
         for chunk, buf in zip(self.chunks, spares):
             chunk.spare = buf
             for pc in chunk.pieces:
                 pc.spare = view(buf, self._offsets[id(pc)], pc.end - pc.start, pc.host.dtype)
+
+    @property
+    def last_scale(self) -> float | None:
+        """The multiplier of this step (after ``finish()``: of the last step), once the worker has read it."""
+        return self._scale
 
     @property
     def late_pending(self) -> bool:
@@ -444,24 +448,14 @@ class HostPipeline:
             finished, self._late_finished = self._late_finished, []
         for k in finished:
             if k in self._late_job:  # drop_late_for may have emptied it
-                self._upload_late(k)
+                self._upload(k, self._late_job[k])
         with self._cond:
-            while self._late_busy and self._error is None:
-                self._cond.wait()
+            self._wait_late_kernel()
             job, self._late_job = self._late_job, {}
             self._late, self._late_busy = [], set()
-            self._raise_error()
-        for k, live in job.items():
-            if wait:
+        if wait:
+            for k in job:
                 self.streams.compute_waits(self.chunks[k].uploaded)
-            for pc, _ in live:
-                self.written_version[pc.param] = self.params[pc.param]._version
-
-    def _upload_late(self, k: int) -> None:
-        live = self._late_job[k]
-        with self.streams.h2d():
-            torch._foreach_copy_([pc.dst for pc, _ in live], [h for _, h in live], non_blocking=True)
-            self.chunks[k].uploaded.record(self.streams.h2d_stream)
 
     def drop_late_for(self, moved: set[int], why: str = "were written outside the optimizer") -> None:
         """Parameters written outside the optimizer keep those weights: their pending upload is dropped."""
@@ -471,9 +465,7 @@ class HostPipeline:
                     "step's CPU update is dropped (its moments stay); call synchronize() before writing weights "
                     "to keep it", len(moved), why)  # fmt: skip
         with self._cond:
-            while self._late_busy and self._error is None:
-                self._cond.wait()
-            self._raise_error()
+            self._wait_late_kernel()
             for k in list(self._late_job):
                 self._late_job[k] = [(pc, h) for pc, h in self._late_job[k] if pc.param not in moved]
                 if not self._late_job[k]:
@@ -528,9 +520,13 @@ class HostPipeline:
         (uploading them could change weights a backward still needs)."""
         self.finish()
         with self._cond:
-            while self._late_busy and self._error is None:
-                self._cond.wait()
-            self._raise_error()
+            self._wait_late_kernel()
+
+    def _wait_late_kernel(self) -> None:
+        """Until the late job's kernel is done (caller holds the lock); raises the worker's error."""
+        while self._late_busy and self._error is None:
+            self._cond.wait()
+        self._raise_error()
 
     def finish(self) -> None:
         """Waits for every chunk of the step in flight; the compute stream then sees all uploaded weights."""
@@ -625,7 +621,7 @@ class HostPipeline:
                             self._late_finished.append(k)
                             self._late_busy.discard(k)
                     if upload:
-                        self._upload_late(k)
+                        self._upload(k, job)
                 elif spec_args is not None:  # no verdict yet: multiplier 1, weights into the spare buffer, held
                     self._kernel(self.chunks[k].grad_ready, job, spec_args, 1.0, spare=True)
                     with self._cond:
@@ -650,7 +646,7 @@ class HostPipeline:
         """The verdict on chunks stepped with multiplier 1: kept if it is 1 (and the hyper-parameters did not
         change), else undone and redone with it; then uploaded. Returns them."""
         scale = verdict.scale() if callable(verdict.scale) else float(verdict.scale)
-        self._scale = self.last_scale = scale
+        self._scale = scale
         redo = scale != 1.0 or verdict.groups != self._args.groups
         self.speculated_chunks += len(held)
         if redo:
@@ -694,11 +690,13 @@ class HostPipeline:
         """The lowest chunk of the late job (caller holds the lock)."""
         return self._late.pop(0)
 
-    def _kernel(self, ready: object, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
+    def _kernel(self, ready: object | None, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
                 scale: float | None, spare: bool = False) -> float:  # fmt: skip
-        """Steps `job`'s pieces from the gradients in their host views (on the host once `ready`), leaving the
-        weights there; returns the gradient multiplier (read from `args` unless known)."""
-        ready.synchronize()
+        """Steps `job`'s pieces from the gradients in their host views (on the host once `ready`, an event, if
+        given), leaving the weights there or in the spare buffer; returns the gradient multiplier (read from
+        `args` unless known)."""
+        if ready is not None:
+            ready.synchronize()
         if scale is None:
             scale = args.scale() if callable(args.scale) else float(args.scale)
         by_group: dict[int, list[tuple[_Piece, torch.Tensor]]] = {}
@@ -734,7 +732,7 @@ class HostPipeline:
         picked = time.perf_counter()
         chunk.grad_ready.synchronize()
         start = time.perf_counter()
-        self._scale = self.last_scale = self._kernel(chunk.grad_ready, job, args, self._scale)
+        self._scale = self._kernel(None, job, args, self._scale)  # the gradients are down: waited for above
         kernel_end = time.perf_counter()
         self._upload(k, job)
         if self.timeline is not None:

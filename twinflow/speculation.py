@@ -77,11 +77,9 @@ class SpeculationPolicy:
 def speculating(opt: torch.optim.Optimizer) -> bool:
     """Whether `opt`'s coming step speculates: asked for, attached, clipping, not eager, delayed or fp16."""
     a, split = opt._attachment, opt._split
-    if not opt.speculate or a is None or a.eager or opt.max_grad_norm is None:
+    if not opt.speculate or a is None or a.eager or a.fp16 or opt.max_grad_norm is None:
         return False
-    if opt.delay_after is not None and max(split.steps, default=0) >= opt.delay_after:
-        return False
-    if any(p.dtype == torch.float16 for p in split.params):
+    if split.delaying(opt.delay_after):
         return False
     if any(g["adamw_mode"] and g["lr"] * g["weight_decay"] == 1.0 for g in opt.param_groups):
         return False  # the decay zeroes the master: nothing to undo from

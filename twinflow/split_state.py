@@ -136,6 +136,10 @@ class SplitState:
                 "call step() first, then save or load"
             )
 
+    def delaying(self, delay_after: int | None) -> bool:
+        """Whether the coming step's CPU update is delayed: after `delay_after` exact steps."""
+        return delay_after is not None and max(self.steps, default=0) >= delay_after
+
     def needs_rebuild(self) -> bool:
         """A parameter frozen when the split was made now takes gradients."""
         return any(p.requires_grad and i not in self.planned for i, p in enumerate(self.params))
@@ -215,14 +219,14 @@ class SplitState:
         moved = {i for i, p in enumerate(self.locals) if p._version > max(self.written[i], written.get(i, -1))}
         if moved and self.pipeline is not None:
             self.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
-        for i, p in enumerate(self.locals):
-            if p._version > max(self.written[i], written.get(i, -1)):
-                flat = p.view(-1)
-                for st in self.segments_of[i]:
-                    piece = flat[st.seg.start : st.seg.end]
-                    if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
-                        st.master.copy_(piece)
-                self.written[i] = p._version
+        for i in moved:
+            p = self.locals[i]
+            flat = p.view(-1)
+            for st in self.segments_of[i]:
+                piece = flat[st.seg.start : st.seg.end]
+                if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
+                    st.master.copy_(piece)
+            self.written[i] = p._version
 
     # ------------------------------------------------ torch.optim's layout
     def entry(self, i: int) -> dict[str, torch.Tensor]:

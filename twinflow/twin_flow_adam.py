@@ -240,8 +240,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self.last_grad_norm = self._scale.clip(self.max_grad_norm, 2.0, split.grads_on_device(streamed),
                                                    bool(streamed))  # fmt: skip
         if pipeline is not None:  # under eager overlap, the arguments the CPU share has been stepping with
-            delayed = self.delay_after is not None and max(split.steps, default=0) >= self.delay_after
-            args = pipeline.seal(args, self._scale.for_cpu, delayed)
+            args = pipeline.seal(args, self._scale.for_cpu, split.delaying(self.delay_after))
         split.step_device(with_grad, args.groups, self._scale.coef)
         if pipeline is not None:
             if self._attachment is None:

@@ -93,11 +93,11 @@ def predict_time(
         cpu += min(ratio * inputs.grad_bytes, 128 << 20) / inputs.pcie_bytes_per_s
     gpu = (1 - ratio) * inputs.elements / inputs.gpu_elements_per_s
     f, b = inputs.forward_s, inputs.backward_s
-    if delayed:
-        return f + b + gpu + max(_INTERFERENCE * cpu, cpu - (gpu + f + b))
-    if not overlap:
+    if not overlap and not delayed:
         return f + b + max(gpu, cpu)
-    if eager:
+    if delayed:
+        window = gpu + f + b
+    elif eager:
         window = b + gpu + (1 - ratio) * f if placement == "last" else ratio * b + gpu + ratio * f
     else:
         window = gpu + (1 - ratio) * f if placement == "last" else gpu + ratio * f
