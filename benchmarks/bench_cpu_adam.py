@@ -6,7 +6,9 @@ Reports Gparam/s and GB/s (28 bytes per parameter: fp32 param, m, v read and
 written, plus an fp32 gradient read; or a bf16 gradient read and a bf16 weight
 copy written), the bf16-gradient/bf16-copy variant, the memory ceiling of that
 access pattern (a probe that moves the same bytes with trivial arithmetic), and
-a thread sweep. Writes JSON (and a PNG of the sweep when matplotlib is present).
+a thread sweep. Speculation's variant steps out of place (reads the state
+from one copy, writes it to another: the same bytes), beside its own probe.
+Writes JSON (and a PNG of the sweep when matplotlib is present).
 """
 
 import argparse
@@ -31,18 +33,24 @@ def fp32_set(n: int, gen: torch.Generator) -> dict:
     }
 
 
-def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: bool = False):
+def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: bool = False,
+                apart: dict | None = None):  # fmt: skip
+    """`apart`: a second state set; each call reads one set and writes the other (speculation's steps)."""
     step = [0]
+    sets = [s, dict(s, **apart)] if apart else [s]
+    keys = ("param", "exp_avg", "exp_avg_sq")
 
     def run() -> None:
-        if probe:
-            ops.bandwidth_probe_([s["param"]], [s["grad"]], [s["exp_avg"]], [s["exp_avg_sq"]],
-                                 out_copies=[out] if out is not None else None, num_threads=threads)  # fmt: skip
-            return
+        src, dst = sets[step[0] % len(sets)], sets[(step[0] + 1) % len(sets)]
         step[0] += 1
-        ops.adam_step_([s["param"]], [s["grad"]], [s["exp_avg"]], [s["exp_avg_sq"]], [step[0]], lr=1e-4,
-                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                       out_copies=[out] if out is not None else None, num_threads=threads)  # fmt: skip
+        extra = dict(out_copies=[out] if out is not None else None,
+                     sources=tuple([src[k]] for k in keys) if apart else None)  # fmt: skip
+        if probe:
+            ops.bandwidth_probe_([dst["param"]], [s["grad"]], [dst["exp_avg"]], [dst["exp_avg_sq"]],
+                                 num_threads=threads, **extra)  # fmt: skip
+            return
+        ops.adam_step_([dst["param"]], [s["grad"]], [dst["exp_avg"]], [dst["exp_avg_sq"]], [step[0]], lr=1e-4,
+                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, num_threads=threads, **extra)  # fmt: skip
 
     return run
 
@@ -102,12 +110,15 @@ def main() -> None:
     bf16_out = torch.empty(n, dtype=torch.bfloat16)
     probe = fp32_set(n, gen)
     probe_bf16 = dict(probe, grad=probe["grad"].bfloat16())
+    second = {k: torch.empty(n) for k in ("param", "exp_avg", "exp_avg_sq")}  # speculation's other state set
     fns = {
         "twinflow_fp32": twinflow_fn(ours, threads),
         "torch_fused_fp32": torch_fused_fn(fused, threads),
         "twinflow_bf16grad_bf16out": twinflow_fn(bf16_set, threads, out=bf16_out),
         "probe_fp32": twinflow_fn(probe, threads, probe=True),
         "probe_bf16grad_bf16out": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True),
+        "twinflow_bf16_out_of_place": twinflow_fn(bf16_set, threads, out=bf16_out, apart=second),
+        "probe_bf16_out_of_place": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True, apart=second),
     }
     if not args.no_deepspeed:
         try:
@@ -118,7 +129,7 @@ def main() -> None:
     medians = interleaved_medians(fns, rounds=args.rounds)
     result["systems"] = {name: rate(n, s) for name, s in medians.items()}
     for name, r in result["systems"].items():
-        print(f"  {name:28s} {r['median_s'] * 1e3:8.1f} ms  {r['gparam_s']:6.2f} Gparam/s  {r['gb_s']:6.1f} GB/s")
+        print(f"  {name:32s} {r['median_s'] * 1e3:8.1f} ms  {r['gparam_s']:6.2f} Gparam/s  {r['gb_s']:6.1f} GB/s")
 
     sysr = result["systems"]
     ceiling = max(sysr["probe_bf16grad_bf16out"]["gb_s"], sysr["probe_fp32"]["gb_s"], sysr["torch_fused_fp32"]["gb_s"])
@@ -126,6 +137,8 @@ def main() -> None:
         "fp32_vs_torch_fused": sysr["twinflow_fp32"]["gparam_s"] / sysr["torch_fused_fp32"]["gparam_s"],
         "bf16_variant_vs_ceiling": sysr["twinflow_bf16grad_bf16out"]["gb_s"] / ceiling,
         "ceiling_gb_s": ceiling,
+        "out_of_place_vs_in_place": sysr["twinflow_bf16_out_of_place"]["gparam_s"]
+        / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
     }
     if "deepspeed_cpu_adam_fp32" in sysr:
         checks["fp32_vs_deepspeed"] = sysr["twinflow_fp32"]["gparam_s"] / sysr["deepspeed_cpu_adam_fp32"]["gparam_s"]

@@ -9,16 +9,20 @@
 //   v = beta2 * v + (1 - beta2) * g * g
 //   AdamW:       p *= 1 - lr * wd
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-// and, if requested, out = round(p) to bf16/fp16 in the same pass.
+// and, if requested, out = round(p) to bf16/fp16 in the same pass. Out of
+// place (kApart), p, m and v are read from one place and written to another,
+// with streaming stores: the written lines are not in cache, and a plain store
+// would first read each of them (12 more bytes per element).
 #pragma once
 
-template <class V, Body kBody, class G, class O>
-inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const AdamConsts& c) {
+template <class V, Body kBody, bool kApart, class G, class O>
+inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const float* p_in, const float* m_in,
+                       const float* v_in, const AdamConsts& c) {
   using reg = typename V::reg;
   reg grad = V::load(g);
-  reg param = V::load(p);
-  reg m_new = V::load(m);
-  reg v_new = V::load(v);
+  reg param = V::load(p_in);
+  reg m_new = V::load(m_in);
+  reg v_new = V::load(v_in);
   if constexpr (kBody == Body::kProbe) {
     // Same loads and stores, no Adam arithmetic: the bandwidth ceiling.
     param = V::add(param, grad);
@@ -37,18 +41,27 @@ inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const A
     param = V::mul(param, V::set1(c.param_scale));
     param = V::fmadd(V::set1(-c.step_size), V::div(m_new, denom), param);
   }
-  V::store(p, param);
-  V::store(m, m_new);
-  V::store(v, v_new);
+  if constexpr (kApart) {
+    V::stream(p, param);
+    V::stream(m, m_new);
+    V::stream(v, v_new);
+  } else {
+    V::store(p, param);
+    V::store(m, m_new);
+    V::store(v, v_new);
+  }
   V::store(out, param);
 }
 
-template <class V, Body kBody, class G, class O>
+template <class V, Body kBody, bool kApart, class G, class O>
 void step_range(const AdamSpan& s, int64_t begin, int64_t end) {
   float* p = s.param;
   const G* g = static_cast<const G*>(s.grad);
   float* m = s.exp_avg;
   float* v = s.exp_avg_sq;
+  const float* p_in = s.param_in;
+  const float* m_in = s.exp_avg_in;
+  const float* v_in = s.exp_avg_sq_in;
   O* out = static_cast<O*>(s.out);
   const AdamConsts& c = *s.consts;
   auto out_at = [out](int64_t i) {
@@ -62,59 +75,73 @@ void step_range(const AdamSpan& s, int64_t begin, int64_t end) {
   // than the hardware prefetcher alone while the divide/sqrt chain runs
   // (measured: +7% on a 16-core Xeon, BENCHMARKS.md).
   constexpr int64_t ahead = 512;
+  // Single elements (the head and the tail) take the same operations as the
+  // vector lanes (fused where V's fmadd is fused), so each element's result
+  // does not depend on whether it landed in the vector loop or not.
+  using Tail = VecScalarOf<V::kFusedMultiplyAdd>;
   int64_t i = begin;
+  if constexpr (kApart) {  // up to the first output cache line, where streaming stores can start
+    for (; i < end && (reinterpret_cast<uintptr_t>(p + i) & 63) != 0; ++i) {
+      step_lanes<Tail, kBody, kApart>(p + i, g + i, m + i, v + i, out_at(i), p_in + i, m_in + i, v_in + i, c);
+    }
+  }
   for (; i + V::kWidth <= end; i += V::kWidth) {
     if (i + ahead < end && ((i * static_cast<int64_t>(sizeof(float))) & 63) < V::kWidth * 4) {
-      V::prefetch(p + i + ahead);
-      V::prefetch(m + i + ahead);
-      V::prefetch(v + i + ahead);
+      V::prefetch(p_in + i + ahead);
+      V::prefetch(m_in + i + ahead);
+      V::prefetch(v_in + i + ahead);
       V::prefetch(g + i + ahead);
     }
-    step_lanes<V, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
+    step_lanes<V, kBody, kApart>(p + i, g + i, m + i, v + i, out_at(i), p_in + i, m_in + i, v_in + i, c);
   }
-  // The leftover elements, one at a time, with the same operations as the
-  // vector lanes (fused where V's fmadd is fused), so each element's result does
-  // not depend on whether it landed in the vector loop or here.
-  using Tail = VecScalarOf<V::kFusedMultiplyAdd>;
   for (; i < end; ++i) {
-    step_lanes<Tail, kBody>(p + i, g + i, m + i, v + i, out_at(i), c);
+    step_lanes<Tail, kBody, kApart>(p + i, g + i, m + i, v + i, out_at(i), p_in + i, m_in + i, v_in + i, c);
   }
-  if constexpr (!std::is_same_v<O, no_out_t>) {
+  if constexpr (kApart || !std::is_same_v<O, no_out_t>) {
     V::fence_streams();  // order the streaming stores before whoever reads the copy next
   }
 }
 
-template <class V, Body kBody, class G>
+template <class V, Body kBody, bool kApart, class G>
 void dispatch_out(const AdamSpan& s, int64_t begin, int64_t end) {
   switch (s.out_dtype) {
     case Dtype::kBFloat16:
-      return step_range<V, kBody, G, bf16_t>(s, begin, end);
+      return step_range<V, kBody, kApart, G, bf16_t>(s, begin, end);
     case Dtype::kFloat16:
-      return step_range<V, kBody, G, fp16_t>(s, begin, end);
+      return step_range<V, kBody, kApart, G, fp16_t>(s, begin, end);
     case Dtype::kFloat32:  // a staging copy for float32 models
-      return step_range<V, kBody, G, float>(s, begin, end);
+      return step_range<V, kBody, kApart, G, float>(s, begin, end);
     default:
-      return step_range<V, kBody, G, no_out_t>(s, begin, end);
+      return step_range<V, kBody, kApart, G, no_out_t>(s, begin, end);
+  }
+}
+
+template <class V, Body kBody, bool kApart>
+void dispatch_grad(const AdamSpan& s, int64_t begin, int64_t end) {
+  switch (s.grad_dtype) {
+    case Dtype::kBFloat16:
+      return dispatch_out<V, kBody, kApart, bf16_t>(s, begin, end);
+    case Dtype::kFloat16:
+      return dispatch_out<V, kBody, kApart, fp16_t>(s, begin, end);
+    default:
+      return dispatch_out<V, kBody, kApart, float>(s, begin, end);
   }
 }
 
 template <class V, Body kBody>
-void dispatch_grad(const AdamSpan& s, int64_t begin, int64_t end) {
-  switch (s.grad_dtype) {
-    case Dtype::kBFloat16:
-      return dispatch_out<V, kBody, bf16_t>(s, begin, end);
-    case Dtype::kFloat16:
-      return dispatch_out<V, kBody, fp16_t>(s, begin, end);
-    default:
-      return dispatch_out<V, kBody, float>(s, begin, end);
+void dispatch_place(const AdamSpan& s, int64_t begin, int64_t end) {
+  if (s.param_in != s.param) {
+    dispatch_grad<V, kBody, true>(s, begin, end);
+  } else {
+    dispatch_grad<V, kBody, false>(s, begin, end);
   }
 }
 
 template <class V>
 void run_span_impl(const AdamSpan& s, int64_t begin, int64_t end, Body body) {
   if (body == Body::kProbe) {
-    dispatch_grad<V, Body::kProbe>(s, begin, end);
+    dispatch_place<V, Body::kProbe>(s, begin, end);
   } else {
-    dispatch_grad<V, Body::kAdam>(s, begin, end);
+    dispatch_place<V, Body::kAdam>(s, begin, end);
   }
 }

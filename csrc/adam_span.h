@@ -43,12 +43,18 @@ struct AdamConsts {
   float param_scale;   // AdamW mode: param *= param_scale (1 - lr * wd)
 };
 
-// One contiguous run of elements of one tensor.
+// One contiguous run of elements of one tensor. The state is read from the
+// *_in pointers and written to param/exp_avg/exp_avg_sq: the same memory for
+// an update in place, other memory for one out of place (a speculative step,
+// which leaves the state it started from untouched for a rollback).
 struct AdamSpan {
   float* param;
   const void* grad;
   float* exp_avg;
   float* exp_avg_sq;
+  const float* param_in;
+  const float* exp_avg_in;
+  const float* exp_avg_sq_in;
   void* out;  // low-precision copy of the updated param, or nullptr
   int64_t numel;
   Dtype grad_dtype;

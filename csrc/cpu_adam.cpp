@@ -65,8 +65,8 @@ void check_tensor(const at::Tensor& t, const char* list, size_t i, const at::Ten
 
 // Validates everything before any tensor is touched, so a bad call modifies nothing.
 void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
-                double weight_decay, int64_t simd) {
+                at::TensorList out_copies, at::TensorList sources, at::IntArrayRef steps, double lr, double beta1,
+                double beta2, double eps, double weight_decay, int64_t simd) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
                     "adam_step_: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length; got ", n,
@@ -74,6 +74,9 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
   TORCH_CHECK_VALUE(out_copies.empty() || out_copies.size() == n,
                     "adam_step_: out_copies must be empty or have one tensor per param; got ", out_copies.size(),
                     " for ", n, " params");
+  TORCH_CHECK_VALUE(sources.empty() || sources.size() == 3 * n,
+                    "adam_step_: sources must be empty (in place) or hold params, exp_avgs and exp_avg_sqs to read "
+                    "from, 3 * ", n, " tensors; got ", sources.size());
   TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0.0, "adam_step_: lr must be a finite number >= 0, got ", lr);
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "adam_step_: eps must be a finite number >= 0, got ", eps);
   TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "adam_step_: beta1 must be in [0, 1), got ", beta1);
@@ -103,6 +106,26 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
       TORCH_CHECK_TYPE(od != Dtype::kNone, "out_copies[", i, "] has dtype ", out_copies[i].scalar_type(),
                        "; expected float32, bfloat16 or float16");
       check_tensor(out_copies[i], "out_copies", i, p);
+    }
+    for (size_t k = 0; k < (sources.empty() ? 0 : 3); ++k) {
+      const at::Tensor& src = sources[k * n + i];
+      const at::Tensor& dst = k == 0 ? p : (k == 1 ? exp_avgs[i] : exp_avg_sqs[i]);
+      TORCH_CHECK_TYPE(src.scalar_type() == at::kFloat, "sources[", k * n + i, "] has dtype ", src.scalar_type(),
+                       "; expected float32");
+      check_tensor(src, "sources", k * n + i, p);
+      // In place, or apart: a partial overlap would read elements another thread already wrote.
+      const auto* a = static_cast<const char*>(src.data_ptr());
+      const auto* b = static_cast<const char*>(dst.data_ptr());
+      const int64_t bytes = 4 * p.numel();
+      TORCH_CHECK_VALUE(a == b || a + bytes <= b || b + bytes <= a, "sources[", k * n + i,
+                        "] partly overlaps the tensor it is read into; pass the same tensor or a separate one");
+    }
+    if (!sources.empty()) {
+      const bool same = sources[i].data_ptr() == p.data_ptr();
+      TORCH_CHECK_VALUE(same == (sources[n + i].data_ptr() == exp_avgs[i].data_ptr()) &&
+                            same == (sources[2 * n + i].data_ptr() == exp_avg_sqs[i].data_ptr()),
+                        "sources for param ", i, ": the param, exp_avg and exp_avg_sq must all be read in place "
+                        "or all apart");
     }
   }
 }
@@ -159,10 +182,11 @@ void run_parallel(const std::vector<AdamSpan>& spans, int64_t num_threads, int64
 }
 
 void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                    at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
-                    int64_t num_threads, int64_t simd, Body body) {
-  check_args(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay, simd);
+                    at::TensorList out_copies, at::TensorList sources, at::IntArrayRef steps, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+                    double grad_scale, int64_t num_threads, int64_t simd, Body body) {
+  check_args(params, grads, exp_avgs, exp_avg_sqs, out_copies, sources, steps, lr, beta1, beta2, eps, weight_decay,
+             simd);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
   std::vector<AdamConsts> consts;
@@ -175,9 +199,14 @@ void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList 
   }
   for (size_t i = 0; i < n; ++i) {
     const bool has_out = !out_copies.empty();
-    spans.push_back(AdamSpan{params[i].data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
-                             exp_avg_sqs[i].data_ptr<float>(), has_out ? out_copies[i].data_ptr() : nullptr,
-                             params[i].numel(), dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone,
+    const bool apart = !sources.empty();
+    float* p = params[i].data_ptr<float>();
+    float* m = exp_avgs[i].data_ptr<float>();
+    float* v = exp_avg_sqs[i].data_ptr<float>();
+    spans.push_back(AdamSpan{p, grads[i].data_ptr(), m, v, apart ? sources[i].data_ptr<float>() : p,
+                             apart ? sources[n + i].data_ptr<float>() : m,
+                             apart ? sources[2 * n + i].data_ptr<float>() : v,
+                             has_out ? out_copies[i].data_ptr() : nullptr, params[i].numel(), dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone,
                              &consts[i]});
   }
   run_parallel(spans, num_threads > 0 ? num_threads : omp_get_max_threads(), simd, body);
@@ -186,18 +215,18 @@ void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList 
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads,
-               int64_t simd) {
-  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, lr, beta1, beta2, eps, weight_decay,
-                 adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
+               int64_t simd, at::TensorList sources) {
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, sources, steps, lr, beta1, beta2, eps,
+                 weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
 }
 
-// Same memory traffic as adam_step (reads p, g, m, v; writes p, m, v, out),
-// no Adam arithmetic: what the memory system allows for this access pattern.
+// Same memory traffic as adam_step (reads p, g, m, v; writes p, m, v, out; in
+// place or apart), no Adam arithmetic: what the memory system allows for this access pattern.
 void bandwidth_probe(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                     at::TensorList out_copies, int64_t num_threads, int64_t simd) {
+                     at::TensorList out_copies, int64_t num_threads, int64_t simd, at::TensorList sources) {
   std::vector<int64_t> steps(params.size(), 1);
-  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0,
-                 num_threads, simd, Body::kProbe);
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, sources, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true,
+                 true, 1.0, num_threads, simd, Body::kProbe);
 }
 
 int64_t cpu_simd_level() { return best_simd(); }
@@ -208,10 +237,10 @@ TORCH_LIBRARY(twinflow, m) {
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] out_copies, int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool adamw_mode, bool bias_correction, float grad_scale, int num_threads, int simd) -> ()");
+      "bool adamw_mode, bool bias_correction, float grad_scale, int num_threads, int simd, Tensor[] sources) -> ()");
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] out_copies, int num_threads, int simd) -> ()");
+      "Tensor(d!)[] out_copies, int num_threads, int simd, Tensor[] sources) -> ()");
   m.def("cpu_simd_level() -> int", &cpu_simd_level);
 }
 

@@ -28,6 +28,14 @@ struct VecAvx2 {
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  // See VecAvx512::stream.
+  static void stream(float* p, reg x) {
+    if (kStreamingStores && (reinterpret_cast<uintptr_t>(p) & 31) == 0) {
+      _mm256_stream_ps(p, x);
+    } else {
+      _mm256_storeu_ps(p, x);
+    }
+  }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {
     const __m256i u = _mm256_castps_si256(x);

@@ -28,6 +28,14 @@ struct VecAvx512 {
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  // For data written and not read back soon (a rollback backup): no read-for-ownership where aligned.
+  static void stream(float* p, reg x) {
+    if (kStreamingStores && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+      _mm512_stream_ps(p, x);
+    } else {
+      _mm512_storeu_ps(p, x);
+    }
+  }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {
     const __m512i u = _mm512_castps_si512(x);

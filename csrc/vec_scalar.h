@@ -62,6 +62,7 @@ struct VecScalarOf {
   static void prefetch(const void*) {}
 
   static void store(float* p, reg x) { *p = x; }
+  static void stream(float* p, reg x) { *p = x; }
   static void store(no_out_t*, reg) {}
   static void store(bf16_t* p, reg x) {
     // Round to nearest even; NaN stays a quiet NaN (as torch does).

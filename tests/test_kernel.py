@@ -409,6 +409,7 @@ def test_opcheck() -> None:
         [torch.empty(n, dtype=torch.bfloat16)],
         [2],
         1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5, 2, ops.resolve_simd(),
+        [torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)],
     )  # fmt: skip
     torch.library.opcheck(torch.ops.twinflow.adam_step_.default, args)
 
@@ -445,6 +446,59 @@ def test_out_copy_may_overwrite_the_gradient_in_place(simd: str, dtype: torch.dt
     for out, ip, p, q in zip(outs, in_place, a["params"], b["params"]):
         assert torch.equal(p, q)
         assert torch.equal(out, ip) and torch.equal(ip, p.to(dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_out_of_place_equals_in_place_and_leaves_the_sources(simd: str, out_dtype: torch.dtype | None,
+                                                             offset: int) -> None:  # fmt: skip
+    """A speculative step reads the state from one place and writes it to another, so a rollback can start
+    again from the untouched state: bit for bit the in-place step. `offset` puts the outputs off a cache line
+    (the kernel steps single elements up to the first whole line, then streams)."""
+    gen = torch.Generator().manual_seed(12)
+    sizes = [5, 4099, 70001]  # tails, and thread boundaries inside tensors
+    a = random_set(sizes, gen)
+    for key in ("exp_avgs", "exp_avg_sqs"):  # a later step's moments: nonzero
+        a[key] = [torch.rand(n, generator=gen) for n in sizes]
+    before = {k: [t.clone() for t in v] for k, v in a.items()}
+    # poisoned outputs, each a view `offset` elements into a larger buffer
+    out = {k: [torch.full((n + offset,), float("nan"))[offset:] for n in sizes] for k in a}
+    grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    copies = lambda: [torch.empty(n, dtype=out_dtype) for n in sizes] if out_dtype else None  # noqa: E731
+    common = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, num_threads=3, simd=simd)
+    apart_copies, in_place_copies = copies(), copies()
+    ops.adam_step_(out["params"], grads, out["exp_avgs"], out["exp_avg_sqs"], [4] * 3, out_copies=apart_copies,
+                   sources=(a["params"], a["exp_avgs"], a["exp_avg_sqs"]), **common)  # fmt: skip
+    for key in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[key], before[key])), f"{key}: the source was written"
+    ops.adam_step_(a["params"], grads, a["exp_avgs"], a["exp_avg_sqs"], [4] * 3, out_copies=in_place_copies,
+                   **common)  # fmt: skip
+    for key in a:
+        for x, y, z in zip(out[key], a[key], before[key]):
+            assert torch.equal(x, y), key
+            assert not torch.equal(y, z), key  # the step did move it
+    if out_dtype is not None:
+        assert all(torch.equal(x, y) for x, y in zip(apart_copies, in_place_copies))
+
+
+def test_sources_are_checked_before_anything_is_written() -> None:
+    gen = torch.Generator().manual_seed(13)
+    p, m, v = torch.randn(8, generator=gen), torch.rand(8, generator=gen), torch.rand(8, generator=gen)
+    kept = [t.clone() for t in (p, m, v)]
+    g = torch.randn(8, generator=gen)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    buf = torch.randn(12, generator=gen)
+    cases = [
+        (([buf[2:10]], [m], [v]), ValueError, "partly overlaps"),  # would read what it already wrote
+        (([p.clone()], [m], [v]), ValueError, "must all be read in place or all apart"),
+        (([p.double()], [m], [v]), TypeError, r"sources\[0\] has dtype Double; expected float32"),
+        (([torch.randn(7)], [m.clone()], [v.clone()]), ValueError, r"sources\[0\] has 7 elements"),
+    ]
+    for sources, error, message in cases:
+        target = buf[:8] if sources[0][0].data_ptr() == buf[2:].data_ptr() else p
+        with pytest.raises(error, match=message):
+            ops.adam_step_([target], [g], [m], [v], [1], sources=sources, **hyper)
+    assert all(torch.equal(x, y) for x, y in zip((p, m, v), kept))
 
 
 def test_default_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch, caplog) -> None:

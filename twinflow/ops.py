@@ -243,6 +243,7 @@ def adam_step_(
     grad_scale: float = 1.0,
     num_threads: int | None = None,
     simd: str | None = None,
+    sources: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """One Adam/AdamW step over many CPU tensors in one parallel region, in place.
 
@@ -253,6 +254,10 @@ def adam_step_(
     tensors: the staging buffers that carry weights back to the GPU.
     ``grad_scale`` multiplies every gradient first (a clipping coefficient
     or an inverse loss scale known only after the gradients were staged).
+    With ``sources = (params_in, exp_avgs_in, exp_avg_sqs_in)`` the state is
+    read from those tensors and written to ``params``, ``exp_avgs`` and
+    ``exp_avg_sqs`` (out of place, each pair the same tensor or apart): the
+    state a step started from stays as it was.
     Every argument is checked before anything is written. The GIL is released
     while the kernel runs.
     """
@@ -276,6 +281,7 @@ def adam_step_(
         float(grad_scale),
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
+        [t for ts in sources for t in ts] if sources is not None else [],
     )
 
 
@@ -288,6 +294,7 @@ def bandwidth_probe_(
     out_copies: Sequence[torch.Tensor] | None = None,
     num_threads: int | None = None,
     simd: str | None = None,
+    sources: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """Moves the same bytes as :func:`adam_step_` with trivial arithmetic.
 
@@ -305,6 +312,7 @@ def bandwidth_probe_(
         list(out_copies) if out_copies is not None else [],
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
+        [t for ts in sources for t in ts] if sources is not None else [],
     )
 
 

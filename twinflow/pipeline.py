@@ -34,9 +34,14 @@ pending late job at once.
 Speculation (``open(args, speculative=True)``, under clipping): the worker
 steps chunks as they land, with multiplier 1, writing the weights into the
 second buffer set so that the gradients stay where they landed, and holds
-them. At ``seal()`` the real multiplier is known: 1 releases the held chunks
-as they are (bit for bit the exact step); anything else undoes them
-(:func:`twinflow.speculation.undo_adam_`) and redoes them with it.
+them. Its master and moments go out of place, into the other of two state
+sets (the second: 12 bytes per element of host memory), so the state the
+step started from stays untouched. At ``seal()`` the real multiplier is
+known: 1 keeps the held chunks, anything else steps them again from the
+untouched state with it; either way the pieces' current state is then the
+other set, and the result bit for bit the exact step's. Outside readers see
+the first set: ``settle_state()`` copies pieces whose current state is the
+second one back first.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinflow import ops, speculation
+from twinflow import ops
 from twinflow.cpu_adam import check_hyperparams
 from twinflow.transfer import Streams, pinned_buffers, view
 
@@ -122,6 +127,13 @@ class _Piece:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     spare: torch.Tensor | None = None  # the same place in the second buffer set (delayed update)
+    alt: torch.Tensor | None = None  # speculation's second state set: rows master, exp_avg, exp_avg_sq
+    flipped: bool = False  # the current master and moments are in `alt`
+
+    def state(self, flipped: bool) -> list[torch.Tensor]:
+        """The master, exp_avg and exp_avg_sq of one set: the first (the split's own buffers) or `alt`."""
+        n = self.end - self.start
+        return list(self.alt[:, :n].unbind()) if flipped else [self.master, self.exp_avg, self.exp_avg_sq]
 
 
 @dataclass
@@ -199,6 +211,7 @@ class HostPipeline:
         buffers = pinned_buffers(sizes, self.streams.cuda, "the CPU share's gradients")
         self._sizes = sizes
         self.pinned_bytes = sum(sizes) if self.streams.cuda else 0
+        self.alt_bytes = 0  # host memory of speculation's second state set (made at the first speculative step)
         self.chunks: list[_Chunk] = []
         self.pieces_of: dict[int, list[tuple[int, _Piece]]] = {}
         for k, (plan, buf) in enumerate(zip(plans, buffers)):
@@ -281,6 +294,7 @@ class HostPipeline:
         self.finish()
         if speculative:
             self._make_spare()
+            self._make_alts()
             args.scale = 1.0
         with self._cond:
             self._spec, self._spec_held, self._verdict = speculative, [], None
@@ -425,6 +439,27 @@ class HostPipeline:
             for pc in chunk.pieces:
                 pc.spare = view(buf, self._offsets[id(pc)], pc.end - pc.start, pc.host.dtype)
 
+    def _make_alts(self) -> None:
+        """Speculation's second state set. Each row starts where the piece's own state does within a cache line,
+        so the kernel's streaming stores line up in both directions."""
+        if not self.chunks or self.chunks[0].pieces[0].alt is not None:
+            return
+        for chunk in self.chunks:
+            for pc in chunk.pieces:
+                shift = pc.master.data_ptr() % _ALIGN // 4
+                width = -(-(shift + pc.end - pc.start) // 16) * 16
+                pc.alt = torch.empty(3, width, dtype=torch.float32)[:, shift:]
+                self.alt_bytes += 3 * width * 4
+
+    def unflip(self, params: set[int] | None = None) -> None:
+        """Copies the current state of flipped pieces (of `params`, else all) back to the first set (call while
+        the worker does not step them: outside a step, or before a step's first download)."""
+        for chunk in self.chunks:
+            for pc in chunk.pieces:
+                if pc.flipped and (params is None or pc.param in params):
+                    torch._foreach_copy_(pc.state(False), pc.state(True))
+                    pc.flipped = False
+
     @property
     def last_scale(self) -> float | None:
         """The multiplier of this step (after ``finish()``: of the last step), once the worker has read it."""
@@ -511,16 +546,20 @@ class HostPipeline:
             self._waited.add(k)
 
     def settle(self) -> None:
-        """Every update taken so far, a delayed one included, is in the weights the current stream sees."""
+        """Every update taken so far, a delayed one included, is in the weights the current stream sees (and
+        in the first state set)."""
         self.finish()
         self.flush()
+        self.unflip()
 
-    def settle_state(self) -> None:
-        """Every update taken so far is in the masters and moments; a delayed one's weights may still be pending
-        (uploading them could change weights a backward still needs)."""
+    def settle_state(self, params: set[int] | None = None) -> None:
+        """Every update taken so far is in the masters and moments of the first state set (of `params`, else
+        all); a delayed one's weights may still be pending (uploading them could change weights a backward still
+        needs)."""
         self.finish()
         with self._cond:
             self._wait_late_kernel()
+        self.unflip(params)
 
     def _wait_late_kernel(self) -> None:
         """Until the late job's kernel is done (caller holds the lock); raises the worker's error."""
@@ -542,14 +581,12 @@ class HostPipeline:
         with self._cond:
             if self._phase != "open":
                 return
-            if self._spec:  # the held chunks are undone: the state is as before the step
+            if self._spec:  # the held chunks are dropped: their current state is the one from before the step
                 self._ready = []
                 while self._running is not None and self._error is None:
                     self._cond.wait()
                 self._raise_error()
-                held, self._spec_held = self._spec_held, []
-                for k in held:
-                    self._undo(k, self._args)
+                self._spec_held = []
             elif self._args is not None:
                 raise RuntimeError(
                     "zero_grad() after the CPU share already stepped in backward (eager overlap): that update "
@@ -623,7 +660,7 @@ class HostPipeline:
                     if upload:
                         self._upload(k, job)
                 elif spec_args is not None:  # no verdict yet: multiplier 1, weights into the spare buffer, held
-                    self._kernel(self.chunks[k].grad_ready, job, spec_args, 1.0, spare=True)
+                    self._kernel(self.chunks[k].grad_ready, job, spec_args, 1.0, spare=True, apart=True)
                     with self._cond:
                         self._spec_held.append(k)
                 else:
@@ -644,7 +681,7 @@ class HostPipeline:
 
     def _settle_held(self, held: list[int], verdict: StepArgs) -> list[int]:
         """The verdict on chunks stepped with multiplier 1: kept if it is 1 (and the hyper-parameters did not
-        change), else undone and redone with it; then uploaded. Returns them."""
+        change), else stepped again with it from the state they started from; then uploaded. Returns them."""
         scale = verdict.scale() if callable(verdict.scale) else float(verdict.scale)
         self._scale = scale
         redo = scale != 1.0 or verdict.groups != self._args.groups
@@ -654,19 +691,14 @@ class HostPipeline:
         for k in sorted(held):
             job = self._job(k)
             if redo:
-                self._undo(k, self._args)
-                self._kernel(self.chunks[k].grad_ready, job, verdict, scale, spare=True)
+                self._kernel(self.chunks[k].grad_ready, job, verdict, scale, spare=True, apart=True)
+            for pc, _ in job:
+                pc.flipped = not pc.flipped
             self._upload(k, [(pc, pc.spare) for pc, _ in job])
         return held
 
     def _job(self, k: int) -> list[tuple[_Piece, torch.Tensor]]:
         return [(pc, pc.host) for pc in self.chunks[k].pieces if pc.param in self._down]
-
-    def _undo(self, k: int, args: StepArgs) -> None:
-        """Puts back the state from before chunk k's step with multiplier 1 (its gradients are still in place)."""
-        for pc, host in self._job(k):
-            group = args.groups[self.group_of[pc.param]]
-            speculation.undo_adam_(pc.master, pc.exp_avg, pc.exp_avg_sq, host, args.steps[pc.param], group)
 
     def _upload(self, k: int, job: list[tuple[_Piece, torch.Tensor]]) -> None:
         with self.streams.h2d():
@@ -691,10 +723,11 @@ class HostPipeline:
         return self._late.pop(0)
 
     def _kernel(self, ready: object | None, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
-                scale: float | None, spare: bool = False) -> float:  # fmt: skip
+                scale: float | None, spare: bool = False, apart: bool = False) -> float:  # fmt: skip
         """Steps `job`'s pieces from the gradients in their host views (on the host once `ready`, an event, if
-        given), leaving the weights there or in the spare buffer; returns the gradient multiplier (read from
-        `args` unless known)."""
+        given), leaving the weights there or in the spare buffer; the state in place, or (`apart`) from each
+        piece's current set into its other one, the current left as it was. Returns the gradient multiplier
+        (read from `args` unless known)."""
         if ready is not None:
             ready.synchronize()
         if scale is None:
@@ -706,11 +739,13 @@ class HostPipeline:
             g = args.groups[gi]
             group_pieces = [pc for pc, _ in group_job]
             hosts = [h for _, h in group_job]
+            current = [pc.state(pc.flipped) for pc in group_pieces]
+            written = [pc.state(not pc.flipped) for pc in group_pieces] if apart else current
             ops.adam_step_(
-                [pc.master for pc in group_pieces],
+                [w[0] for w in written],
                 hosts,
-                [pc.exp_avg for pc in group_pieces],
-                [pc.exp_avg_sq for pc in group_pieces],
+                [w[1] for w in written],
+                [w[2] for w in written],
                 [args.steps[pc.param] for pc in group_pieces],
                 lr=g["lr"],
                 beta1=g["beta1"],
@@ -723,6 +758,7 @@ class HostPipeline:
                 out_copies=[pc.spare for pc in group_pieces] if spare else hosts,
                 grad_scale=scale,
                 num_threads=self.num_threads,
+                sources=tuple([c[k] for c in current] for k in range(3)) if apart else None,
             )
         return scale
 

@@ -219,6 +219,7 @@ class SplitState:
         moved = {i for i, p in enumerate(self.locals) if p._version > max(self.written[i], written.get(i, -1))}
         if moved and self.pipeline is not None:
             self.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
+            self.pipeline.unflip(moved)  # the masters written below are the current ones
         for i in moved:
             p = self.locals[i]
             flat = p.view(-1)

@@ -45,8 +45,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``state_dict()`` and ``load_state_dict()`` are torch.optim's (with a ``master`` entry for bf16/fp16
     parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements;
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
-    clipping): the CPU steps as gradients land, undoing and redoing when the norm clips
-    (:mod:`twinflow.speculation`).
+    clipping): the CPU steps as gradients land, out of place, and steps again from the untouched state when the
+    norm clips: bit for bit the exact step (:mod:`twinflow.speculation`).
     """
 
     def __init__(
