@@ -36,12 +36,13 @@ GRID = [k / 100 for k in range(101)]
 RATES = {"cpu-bound": {}, "gpu-bound": {"cpu_elements_per_s": 20e9, "gpu_elements_per_s": 10e9}}
 
 
-def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool, delayed: bool = False) -> None:
+def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool, delayed: bool = False,
+                         speculative: bool = False) -> None:  # fmt: skip
     """`d` is choose_ratio's rule applied by brute force over the ratios 0, 0.01, ..., 1 (twinflow.tune's docstring):
     the smallest of the fitting ratios predicted within 2% of the fastest fitting one; 1 when none fits."""
     r = d["ratio"]
     assert 0.0 <= r <= 1.0 and r in GRID, r
-    times = {q: predict_time(x, q, placement, overlap, eager, delayed) for q in GRID}
+    times = {q: predict_time(x, q, placement, overlap, eager, delayed, speculative) for q in GRID}
     assert d["predicted_time_s"] == times[r] and d["predicted_peak_bytes"] == predict_peak(x, r)
     fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes]
     if not fitting:
@@ -109,6 +110,25 @@ def test_delayed_choice_follows_the_rule(budget_gib: int, rates: str) -> None:
     d = choose_ratio(x, "last", True, False, delayed=True)
     assert d["delayed"] is True
     assert_is_the_choice(x, d, "last", True, False, delayed=True)
+
+
+@pytest.mark.parametrize("budget_gib", [16, 30, 70])
+@pytest.mark.parametrize("rates", list(RATES))
+def test_speculative_choice_follows_the_rule(budget_gib: int, rates: str) -> None:
+    x = inputs(budget_bytes=budget_gib * GIB, **RATES[rates])
+    d = choose_ratio(x, "last", True, False, speculative=True)
+    assert d["speculative"] is True and d["delayed"] is False
+    assert_is_the_choice(x, d, "last", True, False, speculative=True)
+
+
+@pytest.mark.parametrize("placement", ["first", "last"])
+def test_speculation_predicts_the_unclipped_overlap(placement: str) -> None:
+    # while steps do not clip, the CPU starts as gradients land, as in eager mode; without it, clipping waits
+    x = inputs()
+    for r in (0.2, 0.4, 0.8):
+        eager = predict_time(x, r, placement, True, True)
+        assert predict_time(x, r, placement, True, False, speculative=True) == eager
+        assert predict_time(x, r, placement, True, False) > eager
 
 
 def test_the_delayed_update_hides_the_cpu_behind_the_next_iteration() -> None:
@@ -194,3 +214,14 @@ def test_optimizer_decides_at_first_step_and_then_matches_adamw(attached: bool, 
     assert opt.ratio == 0.0 and opt.split_summary["cpu"]["elements"] == 0
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("speculate, clip, expected", [(True, 1.0, True), (True, None, False), (False, 1.0, False)])
+def test_auto_plans_for_speculation_only_where_it_runs(speculate: bool, clip: float | None, expected: bool) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = TwinFlowAdam(model.parameters(), ratio="auto", max_grad_norm=clip, speculate=speculate).attach(model)
+    torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+    opt.step()
+    d = opt.auto_decision
+    assert d["speculative"] is expected
+    assert_is_the_choice(Inputs(**d["inputs"]), d, "last", True, d["eager"], speculative=expected)

@@ -273,6 +273,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             upcast_elements=device_side.UPCAST_ELEMENTS, placement=self.placement, eager=a is not None and a.eager,
             release_grads=a is not None and a.release_grads, margin=self.memory_margin, budget=self.memory_budget,
             num_threads=self.num_threads, delayed=self.delay_after is not None,
+            speculative=self.speculate and a is not None and not a.eager and not a.fp16 and self.delay_after is None
+            and self.max_grad_norm is not None,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
         log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)

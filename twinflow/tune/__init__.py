@@ -23,7 +23,10 @@ F and B: forward and backward time):
   needed last in forward); eager and "first": r B + G + r F; with clipping or
   fp16 (updates wait for the whole backward): G + (1 - r) F, or G + r F;
   with the delayed update (``delay_after``, attached or not): G + F + B (a
-  step's CPU update runs through the device step and the next iteration).
+  step's CPU update runs through the device step and the next iteration);
+  speculating under clipping (``speculate``, attached): the eager window,
+  which holds while steps do not clip (once they keep clipping, speculation
+  turns itself off and the clipping window applies).
   k = 0.25 is the part of the CPU's work that shows on the critical path even
   when it fits the window (the worker's threads and copies slow the thread
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
@@ -85,8 +88,9 @@ def predict_peak(inputs: Inputs, ratio: float) -> float:
 
 
 def predict_time(
-    inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool, delayed: bool = False
-) -> float:
+    inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool, delayed: bool = False,
+    speculative: bool = False,
+) -> float:  # fmt: skip
     cpu = ratio * inputs.elements / inputs.cpu_elements_per_s
     if ratio > 0:
         # the first chunk's download cannot hide behind the kernel
@@ -97,7 +101,7 @@ def predict_time(
         return f + b + max(gpu, cpu)
     if delayed:
         window = gpu + f + b
-    elif eager:
+    elif eager or speculative:
         window = b + gpu + (1 - ratio) * f if placement == "last" else ratio * b + gpu + ratio * f
     else:
         window = gpu + (1 - ratio) * f if placement == "last" else gpu + ratio * f
@@ -105,14 +109,15 @@ def predict_time(
 
 
 def choose_ratio(
-    inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100, delayed: bool = False
-) -> dict[str, Any]:
+    inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100, delayed: bool = False,
+    speculative: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """The decision and what it rests on (see the module docstring for the rule)."""
     ratios = [k / grid for k in range(grid + 1)]
     table = [
         {
             "ratio": r,
-            "time_s": predict_time(inputs, r, placement, overlap, eager, delayed),
+            "time_s": predict_time(inputs, r, placement, overlap, eager, delayed, speculative),
             "peak_bytes": predict_peak(inputs, r),
         }
         for r in ratios
@@ -134,6 +139,7 @@ def choose_ratio(
         "overlap": overlap,
         "eager": eager,
         "delayed": delayed,
+        "speculative": speculative,
         "inputs": asdict(inputs),
     }
 
@@ -239,6 +245,7 @@ class IterationProbe:
         num_threads: int | None,
         upcast_elements: int = UPCAST_ELEMENTS,
         delayed: bool = False,
+        speculative: bool = False,
     ) -> dict[str, Any]:
         step_start = self._now()
         overlap = "forward_end" in self._marks
@@ -273,6 +280,6 @@ class IterationProbe:
             gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
             pcie_bytes_per_s=pcie_rate(self.device),
         )
-        decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed)
+        decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
         decision["release_grads"] = release_grads
         return decision

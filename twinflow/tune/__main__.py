@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="delay_after: the CPU share's update lands one step late after this many exact steps (default: off)",
     )
     parser.add_argument(
+        "--speculate",
+        action="store_true",
+        help="speculate=True: with --clip, the CPU steps as gradients land and steps again if the norm clips",
+    )
+    parser.add_argument(
         "--budget-gib",
         type=float,
         default=None,
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)
         model = build_opt(args.model, device, dtype)
         opt = TwinFlowAdam(model.parameters(), lr=1e-5, ratio=ratio, placement=args.placement,
-                           max_grad_norm=args.clip, delay_after=args.delay_after,
+                           max_grad_norm=args.clip, delay_after=args.delay_after, speculate=args.speculate,
                            memory_budget=budget).attach(model)  # fmt: skip
         result = _train_steps(model, opt, args.batch, args.seq, args.warmup, args.steps, device)
         opt.detach()
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"ratio": ratio, "auto": False, **measured})
     overlap, eager = decision["overlap"], decision["eager"]
     print(f"\n{args.model}, {args.batch}x{args.seq} tokens, placement {args.placement}, clip {args.clip}, "
-          f"delay_after {args.delay_after}")  # fmt: skip
+          f"delay_after {args.delay_after}, speculate {args.speculate}")  # fmt: skip
     if device == "cuda":
         print(f"GPU memory budget {_gib(inputs.budget_bytes)} GiB (what 'auto' plans within, after its margin)")
         print(f"inputs: forward {inputs.forward_s * 1e3:.0f} ms, backward {inputs.backward_s * 1e3:.0f} ms, "
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
               f"CPU kernel {inputs.cpu_elements_per_s / 1e9:.2f} Gparam/s")  # fmt: skip
     print(f"{'ratio':>8} {'predicted s':>12} {'measured s':>11} {'pred. GiB':>10} {'peak GiB':>9}")
     for row in rows:
-        row["predicted_s"] = predict_time(inputs, row["ratio"], args.placement, overlap, eager, decision["delayed"])
+        row["predicted_s"] = predict_time(inputs, row["ratio"], args.placement, overlap, eager, decision["delayed"],
+                                          decision["speculative"])  # fmt: skip
         row["predicted_peak_bytes"] = predict_peak(inputs, row["ratio"]) if device == "cuda" else float("nan")
         tag = "  <- auto" if row["auto"] else ""
         print(f"{row['ratio']:8.2f} {row['predicted_s']:12.3f} {row['step_s']:11.3f} "
