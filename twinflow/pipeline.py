@@ -127,13 +127,12 @@ class _Piece:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     spare: torch.Tensor | None = None  # the same place in the second buffer set (delayed update)
-    alt: torch.Tensor | None = None  # speculation's second state set: rows master, exp_avg, exp_avg_sq
+    alt: list[torch.Tensor] | None = None  # speculation's second state set: master, exp_avg, exp_avg_sq
     flipped: bool = False  # the current master and moments are in `alt`
 
     def state(self, flipped: bool) -> list[torch.Tensor]:
         """The master, exp_avg and exp_avg_sq of one set: the first (the split's own buffers) or `alt`."""
-        n = self.end - self.start
-        return list(self.alt[:, :n].unbind()) if flipped else [self.master, self.exp_avg, self.exp_avg_sq]
+        return self.alt if flipped else [self.master, self.exp_avg, self.exp_avg_sq]
 
 
 @dataclass
@@ -440,16 +439,21 @@ class HostPipeline:
                 pc.spare = view(buf, self._offsets[id(pc)], pc.end - pc.start, pc.host.dtype)
 
     def _make_alts(self) -> None:
-        """Speculation's second state set. Each row starts where the piece's own state does within a cache line,
-        so the kernel's streaming stores line up in both directions."""
+        """Speculation's second state set: a twin of each flat state buffer, each piece at the same offset (so
+        at the same place in a cache line: the kernel's streaming stores line up in both directions)."""
         if not self.chunks or self.chunks[0].pieces[0].alt is not None:
             return
+        twins: dict[int, torch.Tensor] = {}
         for chunk in self.chunks:
             for pc in chunk.pieces:
-                shift = pc.master.data_ptr() % _ALIGN // 4
-                width = -(-(shift + pc.end - pc.start) // 16) * 16
-                pc.alt = torch.empty(3, width, dtype=torch.float32)[:, shift:]
-                self.alt_bytes += 3 * width * 4
+                pc.alt = []
+                for t in (pc.master, pc.exp_avg, pc.exp_avg_sq):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in twins:
+                        twins[storage.data_ptr()] = torch.empty(storage.nbytes() // 4, dtype=torch.float32)
+                        self.alt_bytes += storage.nbytes()
+                    offset = t.storage_offset()
+                    pc.alt.append(twins[storage.data_ptr()][offset : offset + t.numel()])
 
     def unflip(self, params: set[int] | None = None) -> None:
         """Copies the current state of flipped pieces (of `params`, else all) back to the first set (call while
