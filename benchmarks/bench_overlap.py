@@ -51,6 +51,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def clip_of(spec: dict) -> float | None:
+    """max_grad_norm: spec["clip"] True means 1.0; a number is the threshold (1e9: clipping that never triggers)."""
+    clip = spec.get("clip")
+    return None if not clip else 1.0 if clip is True else float(clip)
+
+
 def run_system(spec: dict, args) -> dict:
     """Builds the model and optimizer of one system, trains, and returns its timings and memory."""
     device = args.device
@@ -61,7 +67,7 @@ def run_system(spec: dict, args) -> dict:
     else:
         opt = TwinFlowAdam(
             model.parameters(), lr=1e-5, ratio=spec["ratio"], placement=spec.get("placement", "first"),
-            max_grad_norm=1.0 if spec.get("clip") else None, num_threads=spec.get("threads"),
+            max_grad_norm=clip_of(spec), num_threads=spec.get("threads"), speculate=spec.get("speculate", False),
             memory_budget=int(spec["budget_gib"] * GIB) if spec.get("budget_gib") else None,
             **({"chunk_bytes": spec["chunk_mib"] << 20} if spec.get("chunk_mib") else {}),
         )  # fmt: skip
@@ -97,7 +103,7 @@ def run_system(spec: dict, args) -> dict:
         loss.backward()
         backward_end = time.perf_counter()
         if amp and spec.get("clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_of(spec))
         opt.step()
         step_end = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -156,7 +162,9 @@ def name_of(spec: dict) -> str:
         return "amp" + ("+clip" if spec.get("clip") else "")
     mode = "overlap" if spec.get("attach", True) else "plain"
     ratio = spec["ratio"]
-    name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}" + (" +clip" if spec.get("clip") else "")
+    name = f"twinflow r={ratio} {spec.get('placement', 'first')} {mode}"
+    name += f" +clip {clip_of(spec):g}" if spec.get("clip") else ""
+    name += " +speculate" if spec.get("speculate") else ""
     name += f" threads={spec['threads']}" if spec.get("threads") else ""
     name += f" chunk={spec['chunk_mib']}MiB" if spec.get("chunk_mib") else ""
     return name + (f" budget={spec['budget_gib']}GiB" if spec.get("budget_gib") else "")
@@ -194,6 +202,12 @@ SETS = {
     ],
     "knobs": [
         *({"kind": "tf", "ratio": r, "placement": "last", "chunk_mib": c} for r in (0.4, 1.0) for c in (32, 128)),
+    ],
+    # speculation against the eager (unclipped) and the exact clipped step, with clipping that never triggers
+    "speculation": [
+        {"kind": "tf", "ratio": 0.4, "placement": "last", "timeline": True},
+        {"kind": "tf", "ratio": 0.4, "placement": "last", "clip": 1e9, "timeline": True},
+        {"kind": "tf", "ratio": 0.4, "placement": "last", "clip": 1e9, "speculate": True, "timeline": True},
     ],
     "smoke": [
         {"kind": "amp"},
@@ -259,8 +273,12 @@ def plot_timeline(name: str, timeline: dict, path: Path) -> None:
         if e["start"] > horizon:
             continue
         if "chunk" in e:
-            ax.barh(1, (e["kernel_end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:red", edgecolor="k",
-                    lw=0.2, label="CPU kernel (one chunk)")  # fmt: skip
+            color, label = ("tab:pink", "speculative kernel") if e.get("speculative") else ("tab:red", "CPU kernel")
+            ax.barh(1, (e["kernel_end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color=color, edgecolor="k",
+                    lw=0.2, label=label + " (one chunk)")  # fmt: skip
+        elif "verdict" in e:
+            ax.barh(1, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:olive", edgecolor="k",
+                    lw=0.2, label="verdict: keep (or redo) and upload")  # fmt: skip
         elif e["end"] - e["start"] > 2e-4:
             ax.barh(0, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color="tab:purple",
                     label="forward waits for weights")  # fmt: skip
@@ -328,8 +346,8 @@ def main() -> None:
         plot_sweep(result, path.with_suffix(".png"))
     for name, e in result["systems"].items():
         if "timeline" in e:
-            ratio = str(e["ratio"]).replace(".", "")
-            plot_timeline(name, e["timeline"], path.parent / f"timeline_r{ratio}.png")
+            slug = "_".join("".join(c if c.isalnum() else " " for c in name.replace(".", "")).split())
+            plot_timeline(name, e["timeline"], path.parent / f"timeline_{slug}.png")
     print(json.dumps({k: (round(v["step_s"], 4) if v.get("step_s") else v.get("error")) for k, v in
                       result["systems"].items()}))  # fmt: skip
 

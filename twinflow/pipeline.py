@@ -664,7 +664,15 @@ class HostPipeline:
                     if upload:
                         self._upload(k, job)
                 elif spec_args is not None:  # no verdict yet: multiplier 1, weights into the spare buffer, held
-                    self._kernel(self.chunks[k].grad_ready, job, spec_args, 1.0, spare=True, apart=True)
+                    picked = time.perf_counter()
+                    self.chunks[k].grad_ready.synchronize()
+                    start = time.perf_counter()
+                    self._kernel(None, job, spec_args, 1.0, spare=True, apart=True)
+                    if self.timeline is not None:
+                        self.timeline.append({"chunk": k, "speculative": True, "ready": self._ready_at[k],
+                                              "picked": picked, "start": start, "kernel_end": time.perf_counter(),
+                                              "end": time.perf_counter(),
+                                              "elements": sum(pc.end - pc.start for pc, _ in job)})  # fmt: skip
                     with self._cond:
                         self._spec_held.append(k)
                 else:
@@ -686,6 +694,7 @@ class HostPipeline:
     def _settle_held(self, held: list[int], verdict: StepArgs) -> list[int]:
         """The verdict on chunks stepped with multiplier 1: kept if it is 1 (and the hyper-parameters did not
         change), else stepped again with it from the state they started from; then uploaded. Returns them."""
+        start = time.perf_counter()
         scale = verdict.scale() if callable(verdict.scale) else float(verdict.scale)
         self._scale = scale
         redo = scale != 1.0 or verdict.groups != self._args.groups
@@ -699,6 +708,8 @@ class HostPipeline:
             for pc, _ in job:
                 pc.flipped = not pc.flipped
             self._upload(k, [(pc, pc.spare) for pc, _ in job])
+        if self.timeline is not None:
+            self.timeline.append({"verdict": sorted(held), "redo": redo, "start": start, "end": time.perf_counter()})
         return held
 
     def _job(self, k: int) -> list[tuple[_Piece, torch.Tensor]]:
