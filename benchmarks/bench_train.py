@@ -16,6 +16,9 @@ step runs on the CPU):
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
+  ds-super:R    DeepSpeed SuperOffload (ZeRO-3, offload_optimizer.super_offload,
+                built for GH200; speculates on the CPU step, rolls back on
+                clipping or overflow), ratio R of the optimizer on the CPU
   torchao       torchao's CPUOffloadOptimizer over bf16 parameters (one GPU)
 
 Every system trains the same model shape (random init, activation
@@ -58,7 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
 
-SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "torchao")
+SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "ds-super", "torchao")
+DEEPSPEED = ("ds-z3", "ds-z2", "ds-super")
 TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
@@ -71,7 +75,7 @@ def parse_system(text: str) -> tuple[str, float | None]:
     name, _, ratio = text.partition(":")
     if name not in SYSTEMS:
         raise SystemExit(f"system {text!r}: unknown name {name!r}; expected one of {', '.join(SYSTEMS)}")
-    needs_ratio = name in (*TWINFLOW, "ds-z3")
+    needs_ratio = name in (*TWINFLOW, "ds-z3", "ds-super")
     if needs_ratio != bool(ratio):
         form = f"{name}:R with R in [0, 1]" if needs_ratio else name
         raise SystemExit(f"system {text!r}: expected {form}")
@@ -95,6 +99,8 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if ratio < 1:
             zero["offload_optimizer"]["ratio"] = ratio
+        if name == "ds-super":
+            zero["offload_optimizer"]["super_offload"] = True
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -180,7 +186,7 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
         config = deepspeed_config(name, ratio, args.micro_batch, args.clip)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    if name in (*TWINFLOW, "ds-z3", "ds-z2"):  # the same engine calls for both
+    if name in (*TWINFLOW, *DEEPSPEED):  # the same engine calls for both
 
         def one_step(tokens):
             loss = engine(input_ids=tokens, labels=tokens).loss
@@ -432,7 +438,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for i, (name, members) in enumerate(sorted(families.items())):
         members.sort(key=lambda r: r["ratio"] if r["ratio"] is not None else -1)
         color = f"C{i}"
-        if len(members) > 1 or members[0]["ratio"] is not None and name in (*TWINFLOW, "ds-z3", "ds-z2"):
+        if len(members) > 1 or members[0]["ratio"] is not None and name in (*TWINFLOW, *DEEPSPEED):
             xs = [r["ratio"] for r in members]
             ax_t.plot(xs, [r["median_step_seconds"] for r in members], "o-", color=color, label=name)
             ax_m.plot(xs, [r["peak_gpu_gib"] for r in members], "o-", color=color, label=name)

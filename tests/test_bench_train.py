@@ -20,7 +20,7 @@ BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py")]
 
 @pytest.mark.parametrize("text, expected", [
     ("amp", ("amp", None)), ("twinflow:0.4", ("twinflow", 0.4)), ("ds-z3:1", ("ds-z3", 1.0)),
-    ("ds-z3:0", ("ds-z3", 0.0)), ("ds-z2", ("ds-z2", 1.0)),
+    ("ds-z3:0", ("ds-z3", 0.0)), ("ds-z2", ("ds-z2", 1.0)), ("ds-super:0.4", ("ds-super", 0.4)),
 ])  # fmt: skip
 def test_system_names_parse(text: str, expected: tuple) -> None:
     assert parse_system(text) == expected
@@ -77,6 +77,10 @@ def test_clip_reaches_the_engines_configs(clip: float) -> None:
     """--clip is DeepSpeed's and twinflow's gradient_clipping (0: none); torch systems clip before the step."""
     assert deepspeed_config("ds-z3", 0.4, 2, clip)["gradient_clipping"] == clip
     assert deepspeed_config("ds-z2", 1.0, 2, clip)["gradient_clipping"] == clip
+    super_offload = deepspeed_config("ds-super", 0.4, 2, clip)
+    assert super_offload["gradient_clipping"] == clip and super_offload["zero_optimization"]["stage"] == 3
+    assert super_offload["zero_optimization"]["offload_optimizer"] | {"ratio": 0.4, "super_offload": True} == \
+        super_offload["zero_optimization"]["offload_optimizer"]  # fmt: skip
     import twinflow
 
     config = twinflow.load_config(twinflow_config(0.4, 2, 1, "last", clip), world_size=1)
