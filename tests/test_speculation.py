@@ -176,3 +176,45 @@ def train_steps(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int
         drain(opt)
         opt.step()
         opt.zero_grad()
+
+
+@pytest.fixture
+def lazy_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker applies the verdict on held chunks (keep or redo, then upload) only once the main thread waits
+    for a chunk: a forward that read the weights without waiting would read the old ones on every run."""
+    from twinflow.pipeline import HostPipeline
+
+    original_open, original_wait, original_settle = HostPipeline.open, HostPipeline.wait, HostPipeline._settle_held
+
+    def open_(self, args=None, speculative: bool = False) -> None:
+        original_open(self, args, speculative)
+        with self._cond:
+            self._verdict_asked = False
+
+    def wait(self, chunk_ids: list[int]) -> None:
+        if self.phase == "sealed" and chunk_ids:
+            with self._cond:
+                self._verdict_asked = True
+                self._cond.notify_all()
+        original_wait(self, chunk_ids)
+
+    def settle_held(self, held: list[int], verdict) -> list[int]:
+        with self._cond:
+            while not getattr(self, "_verdict_asked", True) and not self._stop:
+                self._cond.wait()
+        return original_settle(self, held, verdict)
+
+    monkeypatch.setattr(HostPipeline, "open", open_)
+    monkeypatch.setattr(HostPipeline, "wait", wait)
+    monkeypatch.setattr(HostPipeline, "_settle_held", settle_held)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_norm", [1e9, 0.05])
+def test_the_next_forward_waits_for_the_verdicts_weights(device: str, max_norm: float, lazy_verdict: None) -> None:
+    spec = run(device, True, max_norm=max_norm, off_after=10**9)
+    exact = run(device, False, max_norm=max_norm)
+    pipeline = spec[1]._split.pipeline
+    assert pipeline.speculated_chunks == 8 * len(pipeline.chunks)
+    assert pipeline.rollbacks == (0 if max_norm > 1 else 8)
+    assert_same_run(spec, exact)
