@@ -8,6 +8,9 @@ copy written), the bf16-gradient/bf16-copy variant, the memory ceiling of that
 access pattern (a probe that moves the same bytes with trivial arithmetic), and
 a thread sweep. Speculation's variant steps out of place (reads the state
 from one copy, writes it to another: the same bytes), beside its own probe.
+The 8-bit mode (state_precision="int8": int8/uint8 moments with a float32
+scale per 256 elements) moves 16 bytes per parameter (bf16 gradient and
+weight copy); its % of the ceiling is against the bf16 probe's GB/s.
 Writes JSON (and a PNG of the sweep when matplotlib is present).
 """
 
@@ -22,6 +25,7 @@ from benchmarks.common import interleaved_medians, machine_info, write_json  # n
 from twinflow import ops  # noqa: E402
 
 BYTES_PER_PARAM = 28
+Q8_BYTES_PER_PARAM = 8 + 2 + 2 + 2 + 2 * 8 / 256  # master r/w, codes r/w, gradient, copy, scales r/w
 
 
 def fp32_set(n: int, gen: torch.Generator) -> dict:
@@ -51,6 +55,23 @@ def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: b
             return
         ops.adam_step_([dst["param"]], [s["grad"]], [dst["exp_avg"]], [dst["exp_avg_sq"]], [step[0]], lr=1e-4,
                        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, num_threads=threads, **extra)  # fmt: skip
+
+    return run
+
+
+def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor):
+    from twinflow import compact
+
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    codes = [torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)]
+    scales = [torch.zeros(compact.blocks(n)) for _ in range(2)]
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        ops.adam_step_q8_([p], [g], [codes[0]], [scales[0]], [codes[1]], [scales[1]], [step[0]], lr=1e-4,
+                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out_copies=[out],
+                          num_threads=threads)  # fmt: skip
 
     return run
 
@@ -85,8 +106,9 @@ def copy_bandwidth(n: int, rounds: int) -> float:
     return 2 * n * 4 / seconds / 1e9
 
 
-def rate(n: int, seconds: float) -> dict:
-    return {"median_s": seconds, "gparam_s": n / seconds / 1e9, "gb_s": n * BYTES_PER_PARAM / seconds / 1e9}
+def rate(n: int, seconds: float, bytes_per_param: float = BYTES_PER_PARAM) -> dict:
+    return {"median_s": seconds, "gparam_s": n / seconds / 1e9, "gb_s": n * bytes_per_param / seconds / 1e9,
+            "bytes_per_param": bytes_per_param}  # fmt: skip
 
 
 def main() -> None:
@@ -119,6 +141,7 @@ def main() -> None:
         "probe_bf16grad_bf16out": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True),
         "twinflow_bf16_out_of_place": twinflow_fn(bf16_set, threads, out=bf16_out, apart=second),
         "probe_bf16_out_of_place": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True, apart=second),
+        "twinflow_int8_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out),
     }
     if not args.no_deepspeed:
         try:
@@ -127,7 +150,9 @@ def main() -> None:
             result["deepspeed_error"] = f"{type(exc).__name__}: {exc}"
             print("DeepSpeedCPUAdam unavailable:", result["deepspeed_error"], flush=True)
     medians = interleaved_medians(fns, rounds=args.rounds)
-    result["systems"] = {name: rate(n, s) for name, s in medians.items()}
+    result["systems"] = {
+        name: rate(n, s, Q8_BYTES_PER_PARAM if "int8" in name else BYTES_PER_PARAM) for name, s in medians.items()
+    }
     for name, r in result["systems"].items():
         print(f"  {name:32s} {r['median_s'] * 1e3:8.1f} ms  {r['gparam_s']:6.2f} Gparam/s  {r['gb_s']:6.1f} GB/s")
 
@@ -139,6 +164,10 @@ def main() -> None:
         "ceiling_gb_s": ceiling,
         "out_of_place_vs_in_place": sysr["twinflow_bf16_out_of_place"]["gparam_s"]
         / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
+        "int8_state_vs_fp32_state": sysr["twinflow_int8_state_bf16grad_bf16out"]["gparam_s"]
+        / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
+        "int8_state_vs_ceiling": sysr["twinflow_int8_state_bf16grad_bf16out"]["gb_s"]
+        / sysr["probe_bf16grad_bf16out"]["gb_s"],
     }
     if "deepspeed_cpu_adam_fp32" in sysr:
         checks["fp32_vs_deepspeed"] = sysr["twinflow_fp32"]["gparam_s"] / sysr["deepspeed_cpu_adam_fp32"]["gparam_s"]

@@ -3,6 +3,7 @@
 // target flags, so nothing built for AVX-512 can leak into the scalar path.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -62,20 +63,47 @@ struct AdamSpan {
   const AdamConsts* consts;
 };
 
+// 8-bit moments (state_precision="int8"): per block of kQ8Block elements of a
+// tensor, exp_avg as int8 codes c with one scale s (m = s * t * |t|, t = c / 127)
+// and exp_avg_sq as uint8 codes with one scale w (v = (w * t * t)^2, t = c / 255):
+// square-root companding, so small values keep codes; stochastic rounding, so
+// moments that move by less than a code step per step still move on average.
+constexpr int64_t kQ8Block = 256;
+
+struct Q8Span {
+  float* param;
+  const void* grad;
+  int8_t* m_codes;
+  float* m_scales;  // one per block: the block's largest |exp_avg|
+  uint8_t* v_codes;
+  float* v_scales;  // one per block: sqrt of the block's largest exp_avg_sq
+  void* out;
+  int64_t numel;
+  uint32_t index_base;  // the tensor's first element's index in its parameter (the rounding noise's input)
+  uint32_t step;
+  Dtype grad_dtype;
+  Dtype out_dtype;
+  const AdamConsts* consts;
+};
+
 // Which kernel body runs: the Adam update, or a bandwidth probe that moves
 // the same bytes with trivial arithmetic (to measure the memory ceiling).
 enum class Body : int32_t { kAdam = 0, kProbe = 1 };
 
 // One entry point per instruction set, each in its own translation unit.
 // Processes elements [begin, end) of the span.
+// run_q8_blocks: blocks [begin, end) of an 8-bit span.
 namespace avx512 {
 void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
-}
+void run_q8_blocks(const Q8Span& span, int64_t begin, int64_t end);
+}  // namespace avx512
 namespace avx2 {
 void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
-}
+void run_q8_blocks(const Q8Span& span, int64_t begin, int64_t end);
+}  // namespace avx2
 namespace scalar {
 void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body);
-}
+void run_q8_blocks(const Q8Span& span, int64_t begin, int64_t end);
+}  // namespace scalar
 
 }  // namespace twinflow

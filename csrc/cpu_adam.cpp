@@ -30,6 +30,18 @@ int64_t best_simd() {
 }
 
 using RunSpanFn = void (*)(const AdamSpan&, int64_t, int64_t, Body);
+using RunQ8Fn = void (*)(const Q8Span&, int64_t, int64_t);
+
+RunQ8Fn q8_kernel_for(int64_t simd) {
+  switch (simd) {
+    case kAvx512:
+      return avx512::run_q8_blocks;
+    case kAvx2:
+      return avx2::run_q8_blocks;
+    default:
+      return scalar::run_q8_blocks;
+  }
+}
 
 RunSpanFn kernel_for(int64_t simd) {
   switch (simd) {
@@ -231,6 +243,94 @@ void bandwidth_probe(at::TensorList params, at::TensorList grads, at::TensorList
 
 int64_t cpu_simd_level() { return best_simd(); }
 
+int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
+
+// Every 8-bit argument is checked before anything is written (the float32 path's rules for the rest).
+void check_q8_args(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                   at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
+                   at::IntArrayRef index_bases) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(m_codes.size() == n && m_scales.size() == n && v_codes.size() == n && v_scales.size() == n &&
+                        index_bases.size() == n,
+                    "adam_step_q8_: params, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales and "
+                    "index_bases must have the same length; got ", n, ", ", m_codes.size(), ", ", m_scales.size(),
+                    ", ", v_codes.size(), ", ", v_scales.size(), ", ", index_bases.size());
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const struct {
+      const at::Tensor& t;
+      const char* name;
+      at::ScalarType dtype;
+      int64_t numel;
+    } parts[] = {{m_codes[i], "exp_avg_codes", at::kChar, p.numel()},
+                 {v_codes[i], "exp_avg_sq_codes", at::kByte, p.numel()},
+                 {m_scales[i], "exp_avg_scales", at::kFloat, q8_blocks(p.numel())},
+                 {v_scales[i], "exp_avg_sq_scales", at::kFloat, q8_blocks(p.numel())}};
+    for (const auto& part : parts) {
+      TORCH_CHECK_TYPE(part.t.scalar_type() == part.dtype, part.name, "[", i, "] has dtype ", part.t.scalar_type(),
+                       "; expected ", part.dtype);
+      TORCH_CHECK_VALUE(part.t.device().is_cpu() && part.t.is_contiguous(), part.name, "[", i,
+                        "] must be a contiguous CPU tensor");
+      TORCH_CHECK_VALUE(part.t.numel() == part.numel, part.name, "[", i, "] has ", part.t.numel(),
+                        " elements; expected ", part.numel, " (one ",
+                        part.dtype == at::kFloat ? "scale per block of 256 elements" : "code per element",
+                        " of params[", i, "], which has ", p.numel(), ")");
+    }
+    TORCH_CHECK_VALUE(index_bases[i] >= 0, "index_bases[", i, "] must be >= 0, got ", index_bases[i]);
+  }
+}
+
+void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                  at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
+                  at::IntArrayRef index_bases, double lr, double beta1, double beta2, double eps, double weight_decay,
+                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd) {
+  // The float32 path's checks of params, grads, out copies, steps and hyper-parameters (params stand in for the
+  // moments there); then the 8-bit state's.
+  check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd);
+  check_q8_args(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, index_bases);
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_q8_: grad_scale must be finite, got ", grad_scale);
+  const size_t n = params.size();
+  std::vector<AdamConsts> consts;
+  consts.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    consts.push_back(
+        make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale));
+  }
+  std::vector<Q8Span> spans;
+  std::vector<int64_t> first_block(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const bool has_out = !out_copies.empty();
+    spans.push_back(Q8Span{params[i].data_ptr<float>(), grads[i].data_ptr(), m_codes[i].data_ptr<int8_t>(),
+                           m_scales[i].data_ptr<float>(), v_codes[i].data_ptr<uint8_t>(),
+                           v_scales[i].data_ptr<float>(), has_out ? out_copies[i].data_ptr() : nullptr,
+                           params[i].numel(), static_cast<uint32_t>(index_bases[i]), static_cast<uint32_t>(steps[i]),
+                           dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i]});
+    first_block[i + 1] = first_block[i] + q8_blocks(params[i].numel());
+  }
+  const int64_t total = first_block.back();
+  if (total == 0) return;
+  constexpr int64_t kMinBlocksPerThread = (1 << 15) / kQ8Block;
+  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int64_t threads = std::max<int64_t>(1, std::min(wanted, (total + kMinBlocksPerThread - 1) / kMinBlocksPerThread));
+  const RunQ8Fn run = q8_kernel_for(simd);
+  // Whole blocks per thread: a block's scale is written by the one thread that encodes it.
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t nt = omp_get_num_threads();
+    const int64_t lo = total * t / nt;
+    const int64_t hi = total * (t + 1) / nt;
+    if (lo < hi) {
+      size_t s = std::upper_bound(first_block.begin(), first_block.end(), lo) - first_block.begin() - 1;
+      for (int64_t pos = lo; pos < hi; ++s) {
+        const int64_t end = std::min(hi, first_block[s + 1]);
+        if (end > pos) run(spans[s], pos - first_block[s], end - first_block[s]);
+        pos = end;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(twinflow, m) {
@@ -241,7 +341,13 @@ TORCH_LIBRARY(twinflow, m) {
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] out_copies, int num_threads, int simd, Tensor[] sources) -> ()");
+  m.def(
+      "adam_step_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, Tensor(c!)[] exp_avg_scales, "
+      "Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] out_copies, int[] steps, "
+      "int[] index_bases, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
+      "bool bias_correction, float grad_scale, int num_threads, int simd) -> ()");
   m.def("cpu_simd_level() -> int", &cpu_simd_level);
+  m.def("q8_block_size() -> int", []() -> int64_t { return kQ8Block; });
 }
 
 // Registered for every backend so that a CUDA tensor reaches check_args and gets
@@ -249,6 +355,7 @@ TORCH_LIBRARY(twinflow, m) {
 TORCH_LIBRARY_IMPL(twinflow, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
+  m.impl("adam_step_q8_", &adam_step_q8);
 }
 
 }  // namespace twinflow

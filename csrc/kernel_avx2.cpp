@@ -25,10 +25,13 @@ namespace avx2 {
 #include "vec_scalar.h"
 #include "vec_avx2.h"
 #include "adam_kernel.h"
+#include "adam_q8.h"
 
 void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body) {
   run_span_impl<VecAvx2>(span, begin, end, body);
 }
+
+void run_q8_blocks(const Q8Span& span, int64_t begin, int64_t end) { run_q8_impl<VecAvx2>(span, begin, end); }
 }  // namespace avx2
 }  // namespace twinflow
 

@@ -16,10 +16,13 @@ namespace twinflow {
 namespace scalar {
 #include "vec_scalar.h"
 #include "adam_kernel.h"
+#include "adam_q8.h"
 
 void run_span(const AdamSpan& span, int64_t begin, int64_t end, Body body) {
   run_span_impl<VecScalar>(span, begin, end, body);
 }
+
+void run_q8_blocks(const Q8Span& span, int64_t begin, int64_t end) { run_q8_impl<VecScalar>(span, begin, end); }
 }  // namespace scalar
 }  // namespace twinflow
 

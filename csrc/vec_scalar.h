@@ -58,6 +58,29 @@ struct VecScalarOf {
     return float_of(sign | bits_of(mag));
   }
 
+  // --- 8-bit state (adam_q8.h)
+  static reg sub(reg a, reg b) { return a - b; }
+  static reg max(reg a, reg b) { return a > b ? a : b; }
+  static reg min(reg a, reg b) { return a < b ? a : b; }
+  static reg abs(reg a) { return __builtin_fabsf(a); }
+  static reg floor(reg a) { return __builtin_floorf(a); }
+  static reg copysign(reg mag, reg sgn) { return __builtin_copysignf(mag, sgn); }
+  static float hmax(reg a) { return a; }
+  static reg load(const int8_t* p) { return static_cast<float>(*p); }
+  static reg load(const uint8_t* p) { return static_cast<float>(*p); }
+  static void store(int8_t* p, reg x) { *p = static_cast<int8_t>(static_cast<int32_t>(x)); }
+  static void store(uint8_t* p, reg x) { *p = static_cast<uint8_t>(static_cast<int32_t>(x)); }
+  // Uniform [0, 1) for stochastic rounding: lowbias32 (Wellons) of index * golden + key, top 24 bits.
+  static reg uniform(uint32_t index, uint32_t key) {
+    uint32_t x = index * 0x9E3779B1u + key;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return static_cast<float>(x >> 8) * 0x1p-24f;
+  }
+
   static void fence_streams() {}
   static void prefetch(const void*) {}
 

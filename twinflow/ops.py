@@ -271,18 +271,16 @@ def adam_step_(
         list(exp_avg_sqs),
         list(out_copies) if out_copies is not None else [],
         [int(s) for s in steps],
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw_mode),
-        bool(bias_correction),
-        float(grad_scale),
-        int(num_threads) if num_threads else default_num_threads(),
-        resolve_simd(simd),
+        *_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd),
         [t for ts in sources for t in ts] if sources is not None else [],
     )
+
+
+def _scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd) -> list:
+    """The kernels' scalar arguments, in their schema's order and types."""
+    return [float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
+            bool(bias_correction), float(grad_scale), int(num_threads) if num_threads else default_num_threads(),
+            resolve_simd(simd)]  # fmt: skip
 
 
 def bandwidth_probe_(
@@ -326,3 +324,64 @@ def _register_fakes() -> None:
     @torch.library.register_fake("twinflow::bandwidth_probe_")
     def _probe_fake(*args, **kwargs) -> None:
         return None
+
+    @torch.library.register_fake("twinflow::adam_step_q8_")
+    def _q8_fake(*args, **kwargs) -> None:
+        return None
+
+
+def q8_block_size() -> int:
+    """Elements per block of the 8-bit moments (one scale each)."""
+    load()
+    return int(torch.ops.twinflow.q8_block_size())
+
+
+def adam_step_q8_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg_codes: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_codes: Sequence[torch.Tensor],
+    exp_avg_sq_scales: Sequence[torch.Tensor],
+    steps: Sequence[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    out_copies: Sequence[torch.Tensor] | None = None,
+    index_bases: Sequence[int] | None = None,
+    grad_scale: float = 1.0,
+    num_threads: int | None = None,
+    simd: str | None = None,
+) -> None:
+    """:func:`adam_step_` with 8-bit moments (``state_precision="int8"``), in place.
+
+    Per block of :func:`q8_block_size` elements of each tensor: ``exp_avg``
+    as int8 codes with one float32 scale (the block's largest magnitude),
+    ``exp_avg_sq`` as uint8 codes with one scale (the square root of the
+    block's largest value), both square-root companded and stochastically
+    rounded (the noise is a hash of the element's index, ``index_bases[i]`` +
+    position, and the step: the same on every path and thread split). The
+    weight update uses the new moments in float32; they are then encoded.
+    Fresh state: codes and scales zero. :mod:`twinflow.compact` decodes and
+    encodes them.
+    """
+    if len(params) == 0:
+        return
+    load()
+    torch.ops.twinflow.adam_step_q8_(
+        list(params),
+        list(grads),
+        list(exp_avg_codes),
+        list(exp_avg_scales),
+        list(exp_avg_sq_codes),
+        list(exp_avg_sq_scales),
+        list(out_copies) if out_copies is not None else [],
+        [int(s) for s in steps],
+        [int(b) for b in index_bases] if index_bases is not None else [0] * len(params),
+        *_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd),
+    )

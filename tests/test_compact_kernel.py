@@ -1,0 +1,152 @@
+"""The 8-bit moments' kernel (state_precision="int8") against float32 and float64 references of its recurrence."""
+
+import math
+
+import pytest
+import torch
+
+from twinflow import compact, ops
+
+SIZES = [1, 7, 255, 256, 257, 1000, 70001]  # partial blocks, whole ones, and thread boundaries inside tensors
+F32 = torch.float32
+
+
+def consts(step: int, lr: float, beta1: float, beta2: float, eps: float, wd: float, adamw: bool, scale: float):
+    """csrc/cpu_adam.cpp make_consts: computed in double, each rounded to float32."""
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    f = lambda x: torch.tensor(x, dtype=F32)  # noqa: E731
+    return dict(b1=f(beta1), b2=f(beta2), omb1=f(1.0 - beta1), omb2=f(1.0 - beta2), eps=f(eps), step_size=f(lr / bc1),
+                inv_bc2_sqrt=f(1.0 / math.sqrt(bc2)), scale=f(scale), l2=f(0.0 if adamw else wd),
+                param_scale=f(1.0 - lr * wd if adamw else 1.0))  # fmt: skip
+
+
+def reference_step(p, g, state, step, index_base, hyper, scale):
+    """csrc/adam_q8.h in float32 torch operations, one at a time and in its order."""
+    c = consts(step, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
+               hyper["adamw_mode"], scale)  # fmt: skip
+    m = compact.decode_exp_avg(state["m_codes"], state["m_scales"])
+    v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"])
+    g = g.to(F32)
+    if scale != 1.0:
+        g = g * c["scale"]
+    if not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0:
+        g = g + c["l2"] * p
+    m_new = c["b1"] * m + c["omb1"] * g
+    v_new = c["b2"] * v + c["omb2"] * (g * g)
+    denom = compact.sqrt32(v_new) * c["inv_bc2_sqrt"] + c["eps"]
+    p_new = p * c["param_scale"]
+    p_new = p_new - c["step_size"] * (m_new / denom)
+    codes = compact.encode(m_new, v_new, compact.kernel_noise(index_base, p.numel(), step))
+    return p_new, dict(zip(("m_codes", "m_scales", "v_codes", "v_scales"), codes)), m_new, v_new
+
+
+def fresh(n: int) -> dict:
+    blocks = compact.blocks(n)
+    return {"m_codes": torch.zeros(n, dtype=torch.int8), "m_scales": torch.zeros(blocks),
+            "v_codes": torch.zeros(n, dtype=torch.uint8), "v_scales": torch.zeros(blocks)}  # fmt: skip
+
+
+def kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs=None, threads=3):
+    ops.adam_step_q8_(params, grads, [s["m_codes"] for s in states], [s["m_scales"] for s in states],
+                      [s["v_codes"] for s in states], [s["v_scales"] for s in states], [step] * len(params),
+                      index_bases=bases, grad_scale=scale, out_copies=outs, num_threads=threads, simd=simd,
+                      **hyper)  # fmt: skip
+
+
+def test_block_size_matches_the_kernel() -> None:
+    assert ops.q8_block_size() == compact.BLOCK
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: bool, grad_dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode)
+    params = [torch.randn(n, generator=gen) for n in SIZES]
+    ref = [p.clone() for p in params]
+    states, ref_states = [fresh(n) for n in SIZES], [fresh(n) for n in SIZES]
+    bases = [17 * i for i in range(len(SIZES))]
+    for step in range(1, 9):
+        # gradients whose scale varies by element: small moments beside large ones in one block
+        grads = [(torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(grad_dtype) for n in SIZES]
+        scale = 0.5 if step % 2 else 1.0
+        outs = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in SIZES]  # poisoned
+        kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs)
+        for i in range(len(SIZES)):
+            ref[i], ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, bases[i], hyper, scale)
+            assert torch.equal(outs[i], ref[i].bfloat16())
+    for i in range(len(SIZES)):
+        assert torch.equal(params[i], ref[i])
+        for key in ref_states[i]:
+            assert torch.equal(states[i][key], ref_states[i][key]), (SIZES[i], key)
+        assert states[i]["m_codes"].abs().max() > 100 and states[i]["v_codes"].max() > 200  # codes in use
+
+
+def test_one_step_against_a_float64_reference_of_the_recurrence(simd: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    n = 70001
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+    p = torch.randn(n, generator=gen)
+    state = fresh(n)
+    for step in range(1, 4):  # a state with history
+        kernel_step([p], [torch.randn(n, generator=gen)], [state], step, [0], hyper, 1.0, simd)
+    m = compact.decode_exp_avg(state["m_codes"], state["m_scales"]).double()
+    v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"]).double()
+    g = torch.randn(n, generator=gen)
+    p64, g64 = p.double(), g.double()
+    m_new = 0.9 * m + 0.1 * g64
+    v_new = 0.999 * v + 0.001 * g64 * g64
+    bc1, bc2 = 1 - 0.9**4, 1 - 0.999**4
+    p_new = p64 * (1 - 1e-3 * 0.01) - 1e-3 / bc1 * m_new / (v_new.sqrt() / math.sqrt(bc2) + 1e-8)
+    kernel_step([p], [g], [state], 4, [0], hyper, 1.0, simd)
+    torch.testing.assert_close(p.double(), p_new, rtol=1e-6, atol=1e-7)
+    # the stored moments: within one code step of the float64 values (square-root companded)
+    cases = ((compact.decode_exp_avg, "m_codes", "m_scales", m_new, 127),
+             (compact.decode_exp_avg_sq, "v_codes", "v_scales", v_new, 255))  # fmt: skip
+    for decode, codes, scales, exact, top in cases:
+        stored = decode(state[codes], state[scales]).double()
+        scale = compact._per_element(compact._block_max(exact.abs().float()), n).double()
+        if top == 255:  # v's codes are in the square root's square root
+            t_exact, t_stored = (exact / scale).sqrt().sqrt(), (stored / scale).sqrt().sqrt()
+        else:
+            t_exact, t_stored = (exact.abs() / scale).sqrt(), (stored.abs() / scale).sqrt()
+        assert ((t_exact - t_stored).abs() <= 1.0 / top + 1e-6).all()
+        assert (stored == 0).float().mean() < 0.01  # companding: almost nothing rounds to zero
+
+
+def test_moments_decay_without_stalling_or_bias(simd: str) -> None:
+    """Small moments beside a block's largest, with no gradient: they decay by 1 - beta per step, far below a code
+    step (rounding to the nearest code would hold them still) and must not drift (rounding the code, not the value,
+    up with probability frac(code) gave v 2.3 x its value after 1000 steps)."""
+    n = 4096
+    hyper = dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    p, state = torch.zeros(n), fresh(n)
+    top = torch.zeros(n, dtype=torch.bool)
+    top[::256] = True  # one element per block keeps its gradient, and the block's scale, up
+    kernel_step([p], [torch.ones(n)], [state], 1, [0], hyper, 1.0, simd)
+    for step in range(2, 1002):
+        kernel_step([p], [top * 100.0], [state], step, [0], hyper, 1.0, simd)
+        if step in (30, 1001):
+            v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"])[~top].double().mean().item()
+            expected = 1e-3 * 0.999 ** (step - 1)
+            assert abs(v - expected) / expected < 0.05, (step, v, expected)
+        if step == 30:
+            m = compact.decode_exp_avg(state["m_codes"], state["m_scales"])[~top].double().mean().item()
+            expected = 0.1 * 0.9 ** (step - 1)
+            assert abs(m - expected) / expected < 0.05, (m, expected)
+
+
+def test_bad_arguments_are_refused_before_anything_is_written() -> None:
+    p, g = torch.randn(300), torch.randn(300)
+    state = fresh(300)
+    kept = p.clone()
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    cases = [
+        ({**state, "m_codes": torch.zeros(300, dtype=torch.uint8)}, TypeError, r"exp_avg_codes\[0\] has dtype Byte"),
+        ({**state, "v_scales": torch.zeros(1)}, ValueError, r"exp_avg_sq_scales\[0\] has 1 elements; expected 2"),
+        ({**state, "v_codes": torch.zeros(299, dtype=torch.uint8)}, ValueError, r"exp_avg_sq_codes\[0\] has 299"),
+    ]
+    for bad, error, message in cases:
+        with pytest.raises(error, match=message):
+            kernel_step([p], [g], [bad], 1, [0], hyper, 1.0, None)
+    assert torch.equal(p, kept) and not state["m_scales"].any()
