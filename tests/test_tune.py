@@ -163,7 +163,7 @@ def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     from twinflow.tune import IterationProbe
 
     probe = twinflow.tune.cpu_kernel_rate  # still measured, on 64 Ki elements rather than 1 GiB of state
-    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda num_threads: probe(num_threads, 1 << 16))
+    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda num_threads, **kw: probe(num_threads, 1 << 16, **kw))
 
     model = torch.nn.Linear(8, 8)
     params = list(model.parameters())

@@ -30,6 +30,19 @@ _SALT_M, _SALT_V = 0x2545F491, 0x9B97A4D3
 _F32 = torch.float32
 
 
+PRECISIONS = ("fp32", "int8")
+
+
+def check_state_precision(state_precision: object) -> str:
+    if state_precision not in PRECISIONS:
+        raise ValueError(
+            f"state_precision={state_precision!r}; expected 'fp32' (the default: exact) or 'int8' (the CPU share's "
+            "moments in 8 bits with a scale per 256 elements: 6 bytes of host state a parameter instead of 12, "
+            "not exact)"
+        )
+    return state_precision
+
+
 def sqrt32(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded float32 square root, as the kernel's (torch's own float32 sqrt on the CPU is not:
     about 1 in 6 results differ in the last bit)."""

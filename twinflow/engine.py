@@ -141,6 +141,7 @@ class Engine:
             "max_grad_norm": (config.gradient_clipping or None) if clip else None,
             "delay_after": config.offload_delay_after,
             "speculate": config.offload_speculate,
+            "state_precision": config.offload_state_precision,
         }
         if opt is not None:
             p = opt.params

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twinflow import ops
+from twinflow import compact, ops
 from twinflow.cpu_adam import check_hyperparams
 from twinflow.transfer import Streams, pinned_buffers, view
 
@@ -87,8 +87,8 @@ class HostSegment:
     start: int
     end: int
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None  # None: 8-bit moments, kept by the pipeline's pieces
+    exp_avg_sq: torch.Tensor | None
 
 
 @dataclass
@@ -124,9 +124,11 @@ class _Piece:
     host: torch.Tensor  # staged gradient in, rounded weight out; the parameter's dtype
     dst: torch.Tensor  # the parameter's elements [start, end)
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
     spare: torch.Tensor | None = None  # the same place in the second buffer set (delayed update)
+    # state_precision "int8": exp_avg codes, their scales, exp_avg_sq codes, their scales (twinflow.compact)
+    q8: list[torch.Tensor] | None = None
     alt: list[torch.Tensor] | None = None  # speculation's second state set: master, exp_avg, exp_avg_sq
     flipped: bool = False  # the current master and moments are in `alt`
 
@@ -186,6 +188,13 @@ def plan_chunks(segments: list[HostSegment], itemsizes: list[int], chunk_bytes: 
     return chunks
 
 
+def _q8_state(n: int) -> list[torch.Tensor]:
+    """Fresh 8-bit moments of n elements: exp_avg codes and scales, exp_avg_sq codes and scales (all zero)."""
+    blocks = compact.blocks(n)
+    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks), torch.zeros(n, dtype=torch.uint8),
+            torch.zeros(blocks)]  # fmt: skip
+
+
 class HostPipeline:
     """Moves the CPU share's gradients down, steps them with the kernel, and moves the weights back up."""
 
@@ -197,6 +206,7 @@ class HostPipeline:
         chunk_bytes: int,
         device: torch.device,
         num_threads: int | None,
+        precision: str = "fp32",
     ) -> None:
         ops.load()  # build the kernel now, in the caller's thread: a BuildError surfaces here, as itself
         self.params = params
@@ -225,8 +235,9 @@ class HostPipeline:
                     host=view(buf, offset, b - a, p.dtype),
                     dst=p.detach().view(-1)[seg.start + a : seg.start + b],
                     master=seg.master[a:b],
-                    exp_avg=seg.exp_avg[a:b],
-                    exp_avg_sq=seg.exp_avg_sq[a:b],
+                    exp_avg=seg.exp_avg[a:b] if precision == "fp32" else None,
+                    exp_avg_sq=seg.exp_avg_sq[a:b] if precision == "fp32" else None,
+                    q8=None if precision == "fp32" else _q8_state(b - a),
                 )
                 chunk.pieces.append(piece)
                 if seg.index not in chunk.params:
@@ -437,6 +448,30 @@ class HostPipeline:
             chunk.spare = buf
             for pc in chunk.pieces:
                 pc.spare = view(buf, self._offsets[id(pc)], pc.end - pc.start, pc.host.dtype)
+
+    @property
+    def state_bytes(self) -> int:
+        """Host memory of the CPU share's masters and moments (not speculation's second set)."""
+        pieces = [pc for chunk in self.chunks for pc in chunk.pieces]
+        if not pieces or pieces[0].q8 is None:
+            return sum(12 * (pc.end - pc.start) for pc in pieces)
+        return sum(4 * (pc.end - pc.start) + sum(t.numel() * t.element_size() for t in pc.q8) for pc in pieces)
+
+    def moment(self, i: int, key: str) -> torch.Tensor:
+        """Parameter i's CPU-stepped `key` ("exp_avg" or "exp_avg_sq"), decoded from 8 bits, in element order."""
+        decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
+        codes = 0 if key == "exp_avg" else 2
+        return torch.cat([decode(pc.q8[codes], pc.q8[codes + 1]) for _, pc in self.pieces_of[i]])
+
+    def set_moments(self, i: int, exp_avg: torch.Tensor | None, exp_avg_sq: torch.Tensor | None) -> None:
+        """Encodes parameter i's moments (flat, the whole parameter; None: fresh) into its 8-bit pieces."""
+        for _, pc in self.pieces_of[i]:
+            if exp_avg is None:
+                for t in pc.q8:
+                    t.zero_()
+            else:
+                encoded = compact.encode(exp_avg[pc.start : pc.end], exp_avg_sq[pc.start : pc.end])
+                torch._foreach_copy_(pc.q8, list(encoded))
 
     def _make_alts(self) -> None:
         """Speculation's second state set: a twin of each flat state buffer, each piece at the same offset (so
@@ -756,6 +791,14 @@ class HostPipeline:
             g = args.groups[gi]
             group_pieces = [pc for pc, _ in group_job]
             hosts = [h for _, h in group_job]
+            hyper = dict(lr=g["lr"], beta1=g["beta1"], beta2=g["beta2"], eps=g["eps"], weight_decay=g["weight_decay"],
+                         adamw_mode=g["adamw_mode"], bias_correction=g["bias_correction"], grad_scale=scale,
+                         num_threads=self.num_threads)  # fmt: skip
+            if group_pieces[0].q8 is not None:  # 8-bit moments: in place, never speculative
+                ops.adam_step_q8_([pc.master for pc in group_pieces], hosts, *zip(*(pc.q8 for pc in group_pieces)),
+                                  [args.steps[pc.param] for pc in group_pieces], out_copies=hosts,
+                                  index_bases=[pc.start for pc in group_pieces], **hyper)  # fmt: skip
+                continue
             current = [pc.state(pc.flipped) for pc in group_pieces]
             written = [pc.state(not pc.flipped) for pc in group_pieces] if apart else current
             ops.adam_step_(
@@ -764,18 +807,10 @@ class HostPipeline:
                 [w[1] for w in written],
                 [w[2] for w in written],
                 [args.steps[pc.param] for pc in group_pieces],
-                lr=g["lr"],
-                beta1=g["beta1"],
-                beta2=g["beta2"],
-                eps=g["eps"],
-                weight_decay=g["weight_decay"],
-                adamw_mode=g["adamw_mode"],
-                bias_correction=g["bias_correction"],
                 # in place (each gradient element is read before its weight is written), or into the spare buffer
                 out_copies=[pc.spare for pc in group_pieces] if spare else hosts,
-                grad_scale=scale,
-                num_threads=self.num_threads,
                 sources=tuple([c[k] for c in current] for k in range(3)) if apart else None,
+                **hyper,
             )
         return scale
 

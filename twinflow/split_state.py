@@ -28,7 +28,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class SplitState:
     """The parameters of `param_groups`, numbered in order; after ``build()``, their split and state."""
 
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], precision: str = "fp32") -> None:
+        self.precision = precision  # of the CPU share's moments: "fp32" or "int8" (twinflow.compact)
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []
         self.index: dict[int, int] = {}  # id(parameter) -> its number
@@ -82,17 +83,20 @@ class SplitState:
         self.cpu: list[SegmentState] = []
         self.dev: list[SegmentState] = []
         cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
-        host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3)]
+        # int8: the moments live in the pipeline's pieces, 8-bit (twinflow.compact); the masters stay float32
+        host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3 if self.precision == "fp32" else 1)]
         offset = 0
         with torch.no_grad():
             for seg in segments:
                 flat = self.locals[seg.index].view(-1)[seg.start : seg.end]
                 if seg.on_cpu:
-                    master, exp_avg, exp_avg_sq = (h[offset : offset + seg.numel] for h in host)
+                    master, exp_avg, exp_avg_sq = [h[offset : offset + seg.numel] for h in host] + [None] * (
+                        3 - len(host))  # fmt: skip
                     offset += seg.numel
                     master.copy_(flat)
-                    exp_avg.zero_()
-                    exp_avg_sq.zero_()
+                    if exp_avg is not None:
+                        exp_avg.zero_()
+                        exp_avg_sq.zero_()
                     self.cpu.append(SegmentState(seg, master, exp_avg, exp_avg_sq))
                 else:
                     self.dev.append(device_side.new_state(seg, flat))
@@ -103,7 +107,7 @@ class SplitState:
             host_segments = [HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq)
                              for s in self.cpu]  # fmt: skip
             self.pipeline = HostPipeline(self.locals, self.group_of, host_segments, chunk_bytes, self.device,
-                                         num_threads)  # fmt: skip
+                                         num_threads, self.precision)  # fmt: skip
             weakref.finalize(self, self.pipeline.close)
         summary = self._summary(ratio, placement)
         log.info("TwinFlowAdam split: %s", summary)
@@ -115,6 +119,9 @@ class SplitState:
             return {"tensors": len({st.seg.index for st in states}), "elements": elements, "state_bytes": 12 * elements}
 
         cpu, dev = side(self.cpu), side(self.dev)
+        cpu["state_precision"] = self.precision
+        if self.pipeline is not None:
+            cpu["state_bytes"] = self.pipeline.state_bytes
         total = cpu["elements"] + dev["elements"]
         return {
             "ratio_requested": ratio,
@@ -238,12 +245,13 @@ class SplitState:
         p, states = self.locals[i], self.segments_of[i]
         entry = {"step": torch.tensor(float(self.steps[i]))}
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
-            if len(states) == 1:
+            if len(states) == 1 and getattr(states[0], key) is not None:
                 entry[key] = getattr(states[0], key).view(p.shape)
             else:
                 full = torch.empty(p.numel(), dtype=torch.float32)
                 for st in states:
-                    full[st.seg.start : st.seg.end] = getattr(st, key)
+                    value = getattr(st, key)  # None: 8-bit moments, decoded from the pipeline's pieces
+                    full[st.seg.start : st.seg.end] = value if value is not None else self.pipeline.moment(i, key)
                 entry[key] = full.view(p.shape)
         return entry
 
@@ -295,7 +303,9 @@ class SplitState:
                 flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
             for st in self.segments_of[i]:
                 s, e = st.seg.start, st.seg.end
-                for key in ("exp_avg", "exp_avg_sq"):
+                if st.exp_avg is None:  # 8-bit moments: encoded into the pipeline's pieces
+                    self.pipeline.set_moments(i, flat["exp_avg"], flat["exp_avg_sq"])
+                for key in ("exp_avg", "exp_avg_sq") if st.exp_avg is not None else ():
                     target = getattr(st, key)
                     target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
                 if st.master.data_ptr() != p.data_ptr() + s * p.element_size():

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from twinflow import device_side, ops
+from twinflow import device_side, ops, speculation
+from twinflow.compact import check_state_precision
 from twinflow.cpu_adam import ParamsT, adam_defaults, check_adamw_flags
 from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
@@ -45,8 +46,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``state_dict()`` and ``load_state_dict()`` are torch.optim's (with a ``master`` entry for bf16/fp16
     parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements;
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
-    clipping): the CPU steps as gradients land, out of place, and steps again from the untouched state when the
-    norm clips: bit for bit the exact step (:mod:`twinflow.speculation`).
+    clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
+    clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``state_precision="int8"`` (opt-in, not
+    exact): the CPU share's moments in 8 bits, 6 bytes of host state a parameter (:mod:`twinflow.compact`).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         delay_after: int | None = None,
         speculate: bool = False,
+        state_precision: str = "fp32",
         memory_margin: float = 0.1,
         memory_budget: int | None = None,
         amsgrad: bool = False,
@@ -81,23 +84,22 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.auto_ratio = ratio == "auto"
         self.ratio = None if self.auto_ratio else check_ratio(ratio)
         self.placement = check_placement(placement)
+        self.state_precision = check_state_precision(state_precision)
         check_chunk_bytes(chunk_bytes)
         check_max_grad_norm(max_grad_norm)
         check_delay_after(delay_after)
         super().__init__(params, defaults)
         self.chunk_bytes, self.num_threads, self.max_grad_norm = chunk_bytes, num_threads, max_grad_norm
         self.delay_after, self.speculate = delay_after, bool(speculate)
-        self._speculation = SpeculationPolicy()
-        self.memory_margin, self.memory_budget = memory_margin, memory_budget
-        self._split, self._groups_added = SplitState(self.param_groups), False
+        self._speculation, self.memory_margin, self.memory_budget = SpeculationPolicy(), memory_margin, memory_budget
+        self._split, self._groups_added = SplitState(self.param_groups, self.state_precision), False
         self.device = self._split.device
         self._scale = StepScale(self.device, self._split.mesh_group)
         self._attachment: Attachment | None = None
         self._taken_state: dict[int, dict[str, torch.Tensor]] | None = None  # see _take_state
         self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
         self.sync_gradients, self.skipped_steps = True, 0  # skipped: fp16 steps with an inf/NaN gradient
-        self.auto_decision: dict[str, Any] | None = None
-        self._probe = IterationProbe(self.device) if self.auto_ratio else None
+        self.auto_decision, self._probe = None, IterationProbe(self.device) if self.auto_ratio else None
         if not self.auto_ratio:
             self._build()
         elif self._split.params:
@@ -120,7 +122,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if self.ratio is None or old.step_open or not (self._groups_added or old.needs_rebuild()):
             return False
         self.synchronize()
-        self._split, self._groups_added = SplitState(self.param_groups), False
+        self._split, self._groups_added = SplitState(self.param_groups, self.state_precision), False
         self._scale.mesh_group = self._split.mesh_group
         self._build()
         self._split.take_over(old)
@@ -272,9 +274,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self._split.locals,  # what this process steps: under FSDP2 its shards, not the whole model
             upcast_elements=device_side.UPCAST_ELEMENTS, placement=self.placement, eager=a is not None and a.eager,
             release_grads=a is not None and a.release_grads, margin=self.memory_margin, budget=self.memory_budget,
-            num_threads=self.num_threads, delayed=self.delay_after is not None,
-            speculative=self.speculate and a is not None and not a.eager and not a.fp16 and self.delay_after is None
-            and self.max_grad_norm is not None,
+            num_threads=self.num_threads, delayed=self.delay_after is not None, speculative=speculation.planned(self),
+            state_precision=self.state_precision,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
         log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)
@@ -333,8 +334,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SETTINGS = (
-    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "speculate", "memory_margin",
-    "memory_budget",
+    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "speculate", "state_precision",
+    "memory_margin", "memory_budget",
 )  # fmt: skip
 
 

@@ -159,17 +159,24 @@ def _timed(fn, repeats: int, cuda: bool) -> float:
     return best
 
 
-def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS) -> float:
-    """Elements per second of the CPU kernel (bf16 gradient in, bf16 weight out), on fresh host memory."""
+def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS, state_precision: str = "fp32") -> float:
+    """Elements per second of the CPU kernel (bf16 gradient in, bf16 weight out), on fresh host memory, with the
+    moments in `state_precision` ("fp32" or "int8")."""
     gen = torch.Generator().manual_seed(0)
-    p, m, v = torch.randn(elements, generator=gen), torch.zeros(elements), torch.zeros(elements)
-    g = torch.randn(elements, generator=gen).bfloat16()
+    p, g = torch.randn(elements, generator=gen), torch.randn(elements, generator=gen).bfloat16()
+    if state_precision == "int8":
+        blocks = -(-elements // ops.q8_block_size())
+        moments = [torch.zeros(elements, dtype=torch.int8), torch.zeros(blocks),
+                   torch.zeros(elements, dtype=torch.uint8), torch.zeros(blocks)]  # fmt: skip
+        kernel = ops.adam_step_q8_
+    else:
+        moments, kernel = [torch.zeros(elements), torch.zeros(elements)], ops.adam_step_
     step = [0]
 
     def run() -> None:
         step[0] += 1
-        ops.adam_step_([p], [g], [m], [v], [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
-                       out_copies=[g], num_threads=num_threads)  # fmt: skip
+        kernel([p], [g], *([t] for t in moments), [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
+               out_copies=[g], num_threads=num_threads)  # fmt: skip
 
     return elements / _timed(run, 3, cuda=False)
 
@@ -246,6 +253,7 @@ class IterationProbe:
         upcast_elements: int = UPCAST_ELEMENTS,
         delayed: bool = False,
         speculative: bool = False,
+        state_precision: str = "fp32",
     ) -> dict[str, Any]:
         step_start = self._now()
         overlap = "forward_end" in self._marks
@@ -276,10 +284,10 @@ class IterationProbe:
             budget_bytes=budget,
             forward_s=forward,
             backward_s=backward,
-            cpu_elements_per_s=cpu_kernel_rate(num_threads),
+            cpu_elements_per_s=cpu_kernel_rate(num_threads, state_precision=state_precision),
             gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
             pcie_bytes_per_s=pcie_rate(self.device),
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
-        decision["release_grads"] = release_grads
+        decision["release_grads"], decision["state_precision"] = release_grads, state_precision
         return decision

@@ -1,0 +1,155 @@
+"""TwinFlowAdam(state_precision="int8"): 8-bit CPU-side moments, through the optimizer, its state dicts and configs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import twinflow
+from twinflow import TwinFlowAdam, compact, ops
+
+
+def make(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.GELU(), torch.nn.Linear(300, 8))
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(torch.randn(32, 64, generator=gen)), torch.randn(32, 8, generator=gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if isinstance(opt, TwinFlowAdam):
+        opt.synchronize()
+    return losses
+
+
+def test_cpu_side_steps_are_the_kernels_bit_for_bit() -> None:
+    """Ratio 1, one chunk: each parameter is one piece, so the optimizer's state must be exactly what calling the
+    8-bit kernel on each parameter gives (the plumbing: codes kept, steps counted, index bases, hyper-parameters)."""
+    model, direct = make(), make()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, state_precision="int8", weight_decay=0.1)
+    params = list(direct.parameters())
+    fresh = lambda n: [torch.zeros(n, dtype=torch.int8), torch.zeros(compact.blocks(n)),  # noqa: E731
+                       torch.zeros(n, dtype=torch.uint8), torch.zeros(compact.blocks(n))]  # fmt: skip
+    state = [fresh(p.numel()) for p in params]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+        for m in (model, direct):
+            F.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            grads = [p.grad.view(-1) for p in params]
+            ops.adam_step_q8_([p.view(-1) for p in params], grads, *zip(*state), [step] * len(params), lr=1e-2,
+                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)  # fmt: skip
+        direct.zero_grad()
+    opt.synchronize()
+    for p, q in zip(model.parameters(), direct.parameters()):
+        assert torch.equal(p, q)
+    for i, entry in opt.state_dict()["state"].items():
+        assert torch.equal(entry["exp_avg"].view(-1), compact.decode_exp_avg(state[i][0], state[i][1]))
+        assert torch.equal(entry["exp_avg_sq"].view(-1), compact.decode_exp_avg_sq(state[i][2], state[i][3]))
+
+
+@pytest.mark.parametrize("ratio, placement", [(0.6, "last"), (0.6, "first"), (1.0, "first")])
+def test_trains_like_adamw_and_its_state_dict_is_adamws(ratio: float, placement: str) -> None:
+    model, ref = make(), make()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio, placement=placement, chunk_bytes=4096,
+                       state_precision="int8")  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, ref_losses = train(model, opt, 100), train(ref, ref_opt, 100)
+    assert abs(sum(losses[-20:]) - sum(ref_losses[-20:])) / sum(ref_losses[-20:]) < 0.01
+    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert opt.split_summary["cpu"]["elements"] > 0
+    for i in theirs:
+        for key in ("exp_avg", "exp_avg_sq"):
+            rel = ((ours[i][key] - theirs[i][key]).norm() / theirs[i][key].norm()).item()
+            assert rel < 0.1, (i, key, rel)  # 8-bit moments of a run that drifted apart a little
+    # the state dict is torch.optim's: AdamW loads it and goes on
+    again = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    again.load_state_dict(opt.state_dict())
+    assert int(again.state_dict()["state"][0]["step"]) == 100
+
+
+def test_state_moves_between_precisions_and_from_adamw() -> None:
+    model = make()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, adamw, 20)
+    saved = copy.deepcopy(adamw.state_dict())
+    q8 = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision="int8")
+    q8.load_state_dict(saved)
+    loaded = q8.state_dict()["state"]
+    rels = [((loaded[i][key] - entry[key]).norm() / entry[key].norm()).item()
+            for i, entry in saved["state"].items() for key in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    assert max(rels) < 0.02 and sum(r > 0 for r in rels) >= 2  # the CPU side's, encoded to the nearest grid value
+    fp32 = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.3, state_precision="fp32")
+    fp32.load_state_dict(q8.state_dict())
+    for i, entry in fp32.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], loaded[i][key])
+    losses = train(model, q8, 30, seed=2)
+    assert losses[-1] < losses[0]
+
+
+def test_host_state_is_about_six_bytes_a_parameter() -> None:
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), ratio=1.0, state_precision="int8")
+    train(model, opt, 1)
+    cpu = opt.split_summary["cpu"]
+    assert cpu["state_precision"] == "int8"
+    blocks = sum(compact.blocks(p.numel()) for p in model.parameters())  # one piece each at the default chunk size
+    assert cpu["state_bytes"] == 6 * cpu["elements"] + 8 * blocks
+    assert cpu["state_bytes"] / cpu["elements"] < 6.1
+    fp32 = TwinFlowAdam(make().parameters(), ratio=1.0)
+    assert fp32.split_summary["cpu"]["state_bytes"] == 12 * cpu["elements"]
+
+
+def test_a_copy_goes_on_exactly() -> None:
+    """deepcopy decodes and re-encodes the moments: a grid value comes back as its own code, so the copy trains
+    bit for bit like the original."""
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision="int8")
+    train(model, opt, 5)
+    twin_model, twin = copy.deepcopy((model, opt))
+    assert twin.state_precision == "int8"
+    train(model, opt, 3, seed=5)
+    train(twin_model, twin, 3, seed=5)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(opt.state_dict()["state"].values(), twin.state_dict()["state"].values()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[key], b[key])
+
+
+def test_speculation_is_off_and_the_delay_works_with_8_bit_moments() -> None:
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
+                       max_grad_norm=1e9, speculate=True, state_precision="int8").attach(model)  # fmt: skip
+    losses = train(model, opt, 30)
+    assert opt._split.pipeline.speculated_chunks == 0 and losses[-1] < losses[0]
+    delayed = make()
+    opt = TwinFlowAdam(delayed.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
+                       max_grad_norm=1.0, delay_after=2, state_precision="int8").attach(delayed)  # fmt: skip
+    losses = train(delayed, opt, 30)
+    assert opt._split.pipeline.late_jobs > 0 and losses[-1] < losses[0]
+
+
+def test_config_key_and_bad_values() -> None:
+    base = {"train_micro_batch_size_per_gpu": 2, "offload_ratio": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+    config = twinflow.load_config(base | {"offload_state_precision": "int8"}, world_size=1)
+    assert config.offload_state_precision == "int8"
+    with pytest.raises(twinflow.ConfigError, match="offload_state_precision"):
+        twinflow.load_config(base | {"offload_state_precision": "int4"}, world_size=1)
+    with pytest.raises(ValueError, match=r"state_precision='bf16'; expected 'fp32' .* or 'int8'"):
+        TwinFlowAdam(make().parameters(), state_precision="bf16")
+    model = make()
+    engine, *_ = twinflow.initialize(model=model, config=base | {"offload_state_precision": "int8"})
+    assert engine.local_optimizer.state_precision == "int8"
