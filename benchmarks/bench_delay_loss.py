@@ -1,14 +1,16 @@
-"""Loss curves of exact and delayed CPU updates, the same run otherwise, side by side.
+"""Loss curves of the exact CPU update and an opt-in mode (delayed, or 8-bit moments), the same run otherwise.
 
     python benchmarks/bench_delay_loss.py --model opt-350m --steps 600 [--delay-after 40]
+    python benchmarks/bench_delay_loss.py --mode int8 --model opt-350m --steps 1000
 
 Trains the model from random init twice with examples/train_opt.py, on the
 same local text and the same batches: once exact, once with
-``offload_delay_after`` (the CPU share's update lands one step late). The
+``offload_delay_after`` (the CPU share's update lands one step late), or
+with ``--mode int8`` once with ``offload_state_precision: "int8"``. The
 text is the ``.md``, ``.rst`` and ``.txt`` files of this Python's packages,
 read as UTF-8 bytes (--data names another file). Clipping at 1.0, ratio 0.5,
 placement "last", AdamW with a linear warm-up. Writes JSON (--out, else
-$OUT/delay_loss_<model>.json, else benchmarks/results/) with both loss
+$OUT/delay_loss_<model>.json or state_loss_<model>.json, else benchmarks/results/) with both loss
 series and their step times, and a PNG of both curves when matplotlib is
 installed (``--plot FILE.json`` redraws it from a JSON).
 """
@@ -47,8 +49,9 @@ def corpus(path: Path, limit: int) -> int:
     return written
 
 
-def config(args, delay_after: int | None) -> dict:
+def config(args, delay_after: int | None, precision: str = "fp32") -> dict:
     return {
+        "offload_state_precision": precision,
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
@@ -63,10 +66,10 @@ def config(args, delay_after: int | None) -> dict:
     }
 
 
-def train(args, data: Path, delay_after: int | None, tmp: Path) -> dict:
-    name = "delayed" if delay_after is not None else "exact"
+def train(args, data: Path, delay_after: int | None, tmp: Path, precision: str = "fp32") -> dict:
+    name = "delayed" if delay_after is not None else precision if precision != "fp32" else "exact"
     config_path, summary = tmp / f"{name}.json", tmp / f"{name}_summary.json"
-    config_path.write_text(json.dumps(config(args, delay_after)))
+    config_path.write_text(json.dumps(config(args, delay_after, precision)))
     cmd = [sys.executable, str(ROOT / "examples" / "train_opt.py"), "--model", args.model, "--config",
            str(config_path), "--data", str(data), "--steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--seed", "0", "--summary", str(summary)]  # fmt: skip
@@ -96,16 +99,19 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     runs = result["runs"]
-    for name, color in (("exact", "C0"), ("delayed", "C1")):
+    other = result.get("mode", "delayed")
+    labels = {"exact": "exact (fp32 moments)", "delayed": "delayed", "int8": "8-bit moments"}
+    for name, color in (("exact", "C0"), (other, "C1")):
         losses = runs[name]["losses"]
         ax.plot(losses, color=color, alpha=0.25, lw=0.8)
-        ax.plot(smooth(losses, 20), color=color, label=f"{name} (20-step mean)")
-    gap = [d - e for d, e in zip(smooth(runs["delayed"]["losses"], 20), smooth(runs["exact"]["losses"], 20))]
+        ax.plot(smooth(losses, 20), color=color, label=f"{labels[name]} (20-step mean)")
+    gap = [d - e for d, e in zip(smooth(runs[other]["losses"], 20), smooth(runs["exact"]["losses"], 20))]
     ax_d.plot(gap, color="C2")
     ax_d.axhline(0.0, color="grey", lw=0.6)
-    ax.axvline(result["delay_after"], color="grey", ls=":", lw=0.8, label="delay starts")
+    if other == "delayed":
+        ax.axvline(result["delay_after"], color="grey", ls=":", lw=0.8, label="delay starts")
     ax.set(ylabel="training loss", title=f"{result['model']}, ratio {result['ratio']}, clipping at 1.0")
-    ax_d.set(xlabel="step", ylabel="delayed - exact")
+    ax_d.set(xlabel="step", ylabel=f"{other} - exact")
     ax.legend()
     for a in (ax, ax_d):
         a.grid(alpha=0.3)
@@ -116,6 +122,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("delayed", "int8"), default="delayed", help="the run beside the exact one")
     parser.add_argument("--model", default="opt-350m")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--delay-after", type=int, default=40, help="exact steps before the delay starts")
@@ -136,17 +143,21 @@ def main() -> None:
         tmp = Path(tmp_name)
         data = Path(args.data) if args.data else tmp / "corpus.txt"
         size = data.stat().st_size if args.data else corpus(data, args.corpus_bytes)
-        runs = {"exact": train(args, data, None, tmp), "delayed": train(args, data, args.delay_after, tmp)}
-    exact, delayed = runs["exact"]["losses"], runs["delayed"]["losses"]
+        other = (train(args, data, args.delay_after, tmp) if args.mode == "delayed"
+                 else train(args, data, None, tmp, precision="int8"))  # fmt: skip
+        runs = {"exact": train(args, data, None, tmp), args.mode: other}
+    exact, delayed = runs["exact"]["losses"], runs[args.mode]["losses"]
     tail = max(1, len(exact) // 10)
     result = {
-        "model": args.model, "steps": args.steps, "delay_after": args.delay_after, "ratio": args.ratio,
+        "mode": args.mode, "model": args.model, "steps": args.steps, "delay_after": args.delay_after,
+        "ratio": args.ratio,
         "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr, "lr_warmup": args.warmup,
         "corpus_bytes": size, "machine": machine_info(), "command": " ".join(sys.argv),
-        f"mean_loss_last_{tail}_steps": {"exact": sum(exact[-tail:]) / tail, "delayed": sum(delayed[-tail:]) / tail},
+        f"mean_loss_last_{tail}_steps": {"exact": sum(exact[-tail:]) / tail, args.mode: sum(delayed[-tail:]) / tail},
         "runs": runs,
     }  # fmt: skip
-    out = write_json(result, f"delay_loss_{args.model}.json", args.out)
+    prefix = "delay_loss" if args.mode == "delayed" else "state_loss"
+    out = write_json(result, f"{prefix}_{args.model}.json", args.out)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "machine")}, indent=2))
     plot(result, out.with_suffix(".png"))
 

@@ -153,3 +153,28 @@ def test_config_key_and_bad_values() -> None:
     model = make()
     engine, *_ = twinflow.initialize(model=model, config=base | {"offload_state_precision": "int8"})
     assert engine.local_optimizer.state_precision == "int8"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attach", [False, True])
+def test_on_cuda_with_bf16_weights_it_trains_like_the_fp32_state(attach: bool) -> None:
+    losses = {}
+    for precision in ("fp32", "int8"):
+        model = make().cuda().bfloat16()
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
+                           max_grad_norm=1.0, state_precision=precision)  # fmt: skip
+        if attach:
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(1)
+        run = []
+        for _ in range(100):
+            x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+            loss = F.mse_loss(model(x.cuda().bfloat16()).float(), y.cuda())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        opt.synchronize()
+        losses[precision] = sum(run[-20:]) / 20
+        assert opt.split_summary["cpu"]["state_precision"] == precision and opt.split_summary["cpu"]["elements"] > 0
+    assert abs(losses["int8"] - losses["fp32"]) / losses["fp32"] < 0.02, losses
