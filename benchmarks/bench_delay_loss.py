@@ -2,6 +2,9 @@
 
     python benchmarks/bench_delay_loss.py --model opt-350m --steps 600 [--delay-after 40]
     python benchmarks/bench_delay_loss.py --mode int8 --model opt-350m --steps 1000
+    python benchmarks/bench_delay_loss.py --mode int8 --model opt-1.3b --only exact --out a.json  # one run per
+    python benchmarks/bench_delay_loss.py --mode int8 --model opt-1.3b --only int8 --out b.json   # call, then
+    python benchmarks/bench_delay_loss.py --merge a.json b.json --out both.json                    # one result
 
 Trains the model from random init twice with examples/train_opt.py, on the
 same local text and the same batches: once exact, once with
@@ -135,31 +138,51 @@ def main() -> None:
     parser.add_argument("--corpus-bytes", type=int, default=32 << 20)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of this JSON")
+    parser.add_argument("--only", default=None, help="train only this run (exact, or the mode's); merge later")
+    parser.add_argument("--merge", nargs=2, default=None, metavar="JSON", help="join two --only results")
     args = parser.parse_args()
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
+    if args.merge:
+        parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        runs = {name: run for part in parts for name, run in part["runs"].items()}
+        if sorted(runs) != sorted(["exact", parts[0]["mode"]]):
+            raise SystemExit(f"--merge: expected the exact run and the {parts[0]['mode']} run; got {sorted(runs)}")
+        finish(args, parts[0] | {"command": [p["command"] for p in parts]}, runs)
         return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = Path(args.data) if args.data else tmp / "corpus.txt"
         size = data.stat().st_size if args.data else corpus(data, args.corpus_bytes)
-        other = (train(args, data, args.delay_after, tmp) if args.mode == "delayed"
-                 else train(args, data, None, tmp, precision="int8"))  # fmt: skip
-        runs = {"exact": train(args, data, None, tmp), args.mode: other}
-    exact, delayed = runs["exact"]["losses"], runs[args.mode]["losses"]
-    tail = max(1, len(exact) // 10)
+        runs = {}
+        if args.only in (None, "exact"):
+            runs["exact"] = train(args, data, None, tmp)
+        if args.only in (None, args.mode):
+            runs[args.mode] = (train(args, data, args.delay_after, tmp) if args.mode == "delayed"
+                               else train(args, data, None, tmp, precision="int8"))  # fmt: skip
     result = {
         "mode": args.mode, "model": args.model, "steps": args.steps, "delay_after": args.delay_after,
-        "ratio": args.ratio,
-        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr, "lr_warmup": args.warmup,
-        "corpus_bytes": size, "machine": machine_info(), "command": " ".join(sys.argv),
-        f"mean_loss_last_{tail}_steps": {"exact": sum(exact[-tail:]) / tail, args.mode: sum(delayed[-tail:]) / tail},
-        "runs": runs,
+        "ratio": args.ratio, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr,
+        "lr_warmup": args.warmup, "corpus_bytes": size, "machine": machine_info(), "command": " ".join(sys.argv),
     }  # fmt: skip
+    finish(args, result, runs)
+
+
+def finish(args, result: dict, runs: dict) -> None:
+    """Writes the result (the tail means when both runs are there) and the plot."""
+    result = {**result, "runs": runs}
+    if len(runs) == 2:
+        exact, other = runs["exact"]["losses"], runs[result["mode"]]["losses"]
+        tail = max(1, len(exact) // 10)
+        result[f"mean_loss_last_{tail}_steps"] = {"exact": sum(exact[-tail:]) / tail,
+                                                  result["mode"]: sum(other[-tail:]) / tail}  # fmt: skip
+    args.mode, args.model = result["mode"], result["model"]
     prefix = "delay_loss" if args.mode == "delayed" else "state_loss"
     out = write_json(result, f"{prefix}_{args.model}.json", args.out)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "machine")}, indent=2))
-    plot(result, out.with_suffix(".png"))
+    if len(runs) == 2:
+        plot(result, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
