@@ -63,13 +63,12 @@ def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor):
     from twinflow import compact
 
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
-    codes = [torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)]
-    scales = [torch.zeros(compact.blocks(n)) for _ in range(2)]
+    state = compact.fresh(n)
     step = [0]
 
     def run() -> None:
         step[0] += 1
-        ops.adam_step_q8_([p], [g], [codes[0]], [scales[0]], [codes[1]], [scales[1]], [step[0]], lr=1e-4,
+        ops.adam_step_q8_([p], [g], *([t] for t in state), [step[0]], lr=1e-4,
                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out_copies=[out],
                           num_threads=threads)  # fmt: skip
 

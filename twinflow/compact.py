@@ -53,6 +53,13 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def fresh(n: int) -> list[torch.Tensor]:
+    """Fresh 8-bit moments of n elements, as the kernel takes them: exp_avg codes and scales, exp_avg_sq codes
+    and scales (all zero: both moments zero)."""
+    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks(n)), torch.zeros(n, dtype=torch.uint8),
+            torch.zeros(blocks(n))]  # fmt: skip
+
+
 def _per_element(scales: torch.Tensor, numel: int) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK)[:numel]
 

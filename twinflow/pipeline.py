@@ -188,13 +188,6 @@ def plan_chunks(segments: list[HostSegment], itemsizes: list[int], chunk_bytes: 
     return chunks
 
 
-def _q8_state(n: int) -> list[torch.Tensor]:
-    """Fresh 8-bit moments of n elements: exp_avg codes and scales, exp_avg_sq codes and scales (all zero)."""
-    blocks = compact.blocks(n)
-    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks), torch.zeros(n, dtype=torch.uint8),
-            torch.zeros(blocks)]  # fmt: skip
-
-
 class HostPipeline:
     """Moves the CPU share's gradients down, steps them with the kernel, and moves the weights back up."""
 
@@ -237,7 +230,7 @@ class HostPipeline:
                     master=seg.master[a:b],
                     exp_avg=seg.exp_avg[a:b] if precision == "fp32" else None,
                     exp_avg_sq=seg.exp_avg_sq[a:b] if precision == "fp32" else None,
-                    q8=None if precision == "fp32" else _q8_state(b - a),
+                    q8=None if precision == "fp32" else compact.fresh(b - a),
                 )
                 chunk.pieces.append(piece)
                 if seg.index not in chunk.params:
@@ -495,6 +488,8 @@ class HostPipeline:
     def unflip(self, params: set[int] | None = None) -> None:
         """Copies the current state of flipped pieces (of `params`, else all) back to the first set (call while
         the worker does not step them: outside a step, or before a step's first download)."""
+        if not self.alt_bytes:
+            return  # never speculated: nothing is in a second set
         for chunk in self.chunks:
             for pc in chunk.pieces:
                 if pc.flipped and (params is None or pc.param in params):
@@ -701,15 +696,7 @@ class HostPipeline:
                     if upload:
                         self._upload(k, job)
                 elif spec_args is not None:  # no verdict yet: multiplier 1, weights into the spare buffer, held
-                    picked = time.perf_counter()
-                    self.chunks[k].grad_ready.synchronize()
-                    start = time.perf_counter()
-                    self._kernel(None, job, spec_args, 1.0, spare=True, apart=True)
-                    if self.timeline is not None:
-                        self.timeline.append({"chunk": k, "speculative": True, "ready": self._ready_at[k],
-                                              "picked": picked, "start": start, "kernel_end": time.perf_counter(),
-                                              "end": time.perf_counter(),
-                                              "elements": sum(pc.end - pc.start for pc, _ in job)})  # fmt: skip
+                    self._run_chunk(k, job, spec_args, speculative=True)
                     with self._cond:
                         self._spec_held.append(k)
                 else:
@@ -814,16 +801,24 @@ class HostPipeline:
             )
         return scale
 
-    def _run_chunk(self, k: int, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs) -> None:
+    def _run_chunk(self, k: int, job: list[tuple[_Piece, torch.Tensor]], args: StepArgs,
+                   speculative: bool = False) -> None:  # fmt: skip
+        """Steps chunk k once its gradients are down and uploads it; `speculative`: with multiplier 1, out of
+        place, the weights left in the spare buffer for the verdict."""
         chunk = self.chunks[k]
         pieces = [pc for pc, _ in job]
         picked = time.perf_counter()
         chunk.grad_ready.synchronize()
         start = time.perf_counter()
-        self._scale = self._kernel(None, job, args, self._scale)  # the gradients are down: waited for above
+        if speculative:
+            self._kernel(None, job, args, 1.0, spare=True, apart=True)
+        else:
+            self._scale = self._kernel(None, job, args, self._scale)  # the gradients are down: waited for above
         kernel_end = time.perf_counter()
-        self._upload(k, job)
+        if not speculative:
+            self._upload(k, job)
         if self.timeline is not None:
             elements = sum(pc.end - pc.start for pc in pieces)
             times = {"ready": self._ready_at[k], "picked": picked, "start": start, "kernel_end": kernel_end}
-            self.timeline.append({"chunk": k, **times, "end": time.perf_counter(), "elements": elements})
+            self.timeline.append({"chunk": k, **times, "end": time.perf_counter(), "elements": elements,
+                                  **({"speculative": True} if speculative else {})})  # fmt: skip

@@ -45,20 +45,24 @@ class SpeculationPolicy:
         return go
 
 
+def _eligible(opt: torch.optim.Optimizer) -> bool:
+    """Asked for, attached, clipping, not eager, not fp16, fp32 moments (8-bit ones step in place: nothing to
+    roll back from)."""
+    a = opt._attachment
+    return (opt.speculate and a is not None and not a.eager and not a.fp16 and opt.max_grad_norm is not None
+            and opt.state_precision == "fp32")  # fmt: skip
+
+
 def planned(opt: torch.optim.Optimizer) -> bool:
     """Whether `opt` will speculate on steps that do not clip (what ratio='auto' plans for)."""
-    a = opt._attachment
-    return (opt.speculate and a is not None and not a.eager and not a.fp16 and opt.delay_after is None
-            and opt.max_grad_norm is not None and opt.state_precision == "fp32")  # fmt: skip
+    return _eligible(opt) and opt.delay_after is None
 
 
 def speculating(opt: torch.optim.Optimizer) -> bool:
-    """Whether `opt`'s coming step speculates: asked for, attached, clipping, not eager, delayed or fp16."""
-    a, split = opt._attachment, opt._split
-    if not opt.speculate or a is None or a.eager or a.fp16 or opt.max_grad_norm is None:
+    """Whether `opt`'s coming step speculates: eligible, not delayed, and not while steps keep clipping."""
+    split = opt._split
+    if not _eligible(opt) or split.delaying(opt.delay_after):
         return False
-    if split.delaying(opt.delay_after) or split.precision != "fp32":
-        return False  # 8-bit moments step in place: nothing to roll back from
     split.pipeline.finish()  # the last step's multiplier is known once its chunks are done
     opt._speculation.note(split.pipeline.last_scale)
     return opt._speculation.speculate()

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from twinflow import ops
+from twinflow import compact, ops
 from twinflow.device_side import UPCAST_ELEMENTS
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,7 @@ def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS, st
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(elements, generator=gen), torch.randn(elements, generator=gen).bfloat16()
     if state_precision == "int8":
-        blocks = -(-elements // ops.q8_block_size())
-        moments = [torch.zeros(elements, dtype=torch.int8), torch.zeros(blocks),
-                   torch.zeros(elements, dtype=torch.uint8), torch.zeros(blocks)]  # fmt: skip
-        kernel = ops.adam_step_q8_
+        moments, kernel = compact.fresh(elements), ops.adam_step_q8_
     else:
         moments, kernel = [torch.zeros(elements), torch.zeros(elements)], ops.adam_step_
     step = [0]
