@@ -8,92 +8,29 @@
 // multiply-add), so every path, vector lanes and single elements alike, rounds
 // the same: results do not depend on the instruction set or the thread split,
 // and a float32 reference that does the same operations in order matches bit
-// for bit (twinflow/compact.py).
-//
-// The codes are small floating-point numbers relative to the block. A block's
-// scale is a power of two kept as its float32 exponent field F (one byte),
-// chosen so that its largest magnitude stays within the top code. A code's
-// magnitude a, shifted left by 20, is the bit pattern of a float32 in the
-// bottom of float32's range: a relative exponent field a >> 3 (0 for the
-// evenly spaced values below the lowest binade, which are float32's own
-// subnormals) and 3 mantissa bits. Decoding multiplies that float by 2^D, with
-// D = F - top field; encoding multiplies by 2^-D, adds random bits below the
-// kept mantissa (stochastic rounding, unbiased in value) and shifts. No square
-// root or division, no selects. exp_avg keeps a sign and 4 exponent bits (top
-// field 15: down to 2^-14 of the block's top binade), exp_avg_sq 5 (top field
-// 31: down to 2^-30, so that a small v beside a large one in its block keeps a
-// code and its update stays bounded). The subnormals are why each call clears
-// flush-to-zero and denormals-are-zero for its own thread while it runs.
+// for bit.
 #pragma once
 
-constexpr int32_t kQ8MantShift = 20;       // float32 mantissa bits below the 3 a code keeps
-constexpr int32_t kQ8TopFieldM = 15;       // exp_avg: 4 exponent bits
-constexpr int32_t kQ8TopFieldV = 31;       // exp_avg_sq: 5 exponent bits
-constexpr uint32_t kQ8Salt = 0x2545F491u;  // the rounding noise's stream
-
-// 2^(field - 127) for a float32 exponent field in [1, 254].
-inline float q8_pow2(int32_t field) { return VecScalarOf<false>::float_of(static_cast<uint32_t>(field) << 23); }
-
-// A block's multipliers: decode by `up` (then by 2^127 where `wide_up`), encode by `down` (then by 2^-126 where
-// `wide_down`). One multiply where one power of two covers D, two exact ones where it is past float32's range.
-struct Q8Scale {
-  float up, down;
-  bool wide_up, wide_down;
-};
-
-inline Q8Scale q8_scale(uint8_t field, int32_t top) {
-  const int32_t d = std::max<int32_t>(field - top, 0);
-  return {q8_pow2(127 + (d > 127 ? d - 127 : d)), q8_pow2(127 - (d > 126 ? d - 126 : d)), d > 127, d > 126};
-}
-
-// The block's exponent field: the largest magnitude's, one higher where it would round above the top code.
-inline uint8_t q8_field(float largest, int32_t top) {
-  const uint32_t f = (VecScalarOf<false>::bits_of(largest) + (1u << kQ8MantShift)) >> 23;
-  return static_cast<uint8_t>(std::min<int32_t>(std::max<int32_t>(static_cast<int32_t>(f), top), 254));
-}
-
-// Codes' magnitudes a (int32 lanes) and sign bits -> float32 values.
-template <class V>
-inline typename V::reg q8_decode(typename V::ireg a, typename V::ireg sign, const Q8Scale& k) {
-  typename V::reg x = V::mul(V::from_bits(V::ior(V::template sll<kQ8MantShift>(a), sign)), V::set1(k.up));
-  return k.wide_up ? V::mul(x, V::set1(q8_pow2(254))) : x;
-}
-
-// Magnitudes x >= 0 (at most the block's top value) -> codes, rounded up with the probability that keeps the value
-// right on average; noise: 16 random bits per lane.
-template <class V>
-inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg noise, const Q8Scale& k, int32_t top_code) {
-  using ireg = typename V::ireg;
-  typename V::reg y = V::mul(x, V::set1(k.down));
-  if (k.wide_down) y = V::mul(y, V::set1(q8_pow2(1)));
-  const ireg r = V::ior(V::template sll<kQ8MantShift - 16>(noise), V::iset1(1 << (kQ8MantShift - 17)));
-  return V::imin(V::template srl<kQ8MantShift>(V::iadd(V::bits(y), r)), V::iset1(top_code));
-}
-
 template <class V, class G, class O>
-inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
-                           float* mbuf, float* vbuf, typename V::reg& max_m, typename V::reg& max_v) {
+inline void q8_decode_step(const Q8Span& s, int64_t i, float sm, float sw, float* mbuf, float* vbuf,
+                           typename V::reg& max_m, typename V::reg& max_v) {
   using reg = typename V::reg;
-  using ireg = typename V::ireg;
+  const AdamConsts& c = *s.consts;
   float* p = s.param + i;
   reg grad = V::load(static_cast<const G*>(s.grad) + i);
   reg param = V::load(p);
-  const ireg cm = V::load(s.m_codes + i);
-  const reg m = q8_decode<V>(V::iabs(cm), V::iand(cm, V::iset1(INT32_MIN)), km);
-  const reg v = q8_decode<V>(V::load(s.v_codes + i), V::iset1(0), kv);
+  const reg tm = V::mul(V::load(s.m_codes + i), V::set1(1.0f / 127.0f));
+  const reg tv = V::mul(V::load(s.v_codes + i), V::set1(1.0f / 255.0f));
+  const reg m = V::mul(V::set1(sm), V::mul(tm, V::abs(tm)));
+  const reg w = V::mul(V::set1(sw), V::mul(tv, tv));
+  const reg v = V::mul(w, w);
   if (c.grad_scale != 1.0f) grad = V::mul(grad, V::set1(c.grad_scale));
   if (c.l2_decay != 0.0f) grad = V::add(grad, V::mul(V::set1(c.l2_decay), param));
   const reg m_new = V::add(V::mul(V::set1(c.beta1), m), V::mul(V::set1(c.one_minus_beta1), grad));
   const reg v_new = V::add(V::mul(V::set1(c.beta2), v), V::mul(V::set1(c.one_minus_beta2), V::mul(grad, grad)));
-#ifdef TF_Q8_NO_SQRTDIV
-  const reg denom = V::add(V::mul(v_new, V::set1(c.inv_bc2_sqrt)), V::set1(c.eps));
-  param = V::mul(param, V::set1(c.param_scale));
-  param = V::sub(param, V::mul(V::set1(c.step_size), V::mul(m_new, denom)));
-#else
   const reg denom = V::add(V::mul(V::sqrt(v_new), V::set1(c.inv_bc2_sqrt)), V::set1(c.eps));
   param = V::mul(param, V::set1(c.param_scale));
   param = V::sub(param, V::mul(V::set1(c.step_size), V::div(m_new, denom)));
-#endif
   V::store(p, param);
   if constexpr (!std::is_same_v<O, no_out_t>) {
     V::store(static_cast<O*>(s.out) + i, param);
@@ -104,24 +41,40 @@ inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, cons
   max_v = V::max(max_v, v_new);
 }
 
-// Stochastic rounding key: new every step (added to the element's index before the hash).
-inline uint32_t q8_key(uint32_t step) { return step * 0x85EBCA77u ^ kQ8Salt; }
+// Stochastic rounding keys: one stream for m, another for v, new every step.
+inline uint32_t q8_key(uint32_t step, uint32_t salt) { return step * 0x85EBCA77u ^ salt; }
+constexpr uint32_t kSaltM = 0x2545F491u;
+constexpr uint32_t kSaltV = 0x9B97A4D3u;
+
+// One code of x (relative to its block's scale, in [0, 1]) on the grid x = (c / top)^power, rounded up with the
+// probability that makes the decoded value right on average: floor(y) or floor(y) + 1, y = top * x^(1 / power).
+template <class V>
+inline typename V::reg q8_code(typename V::reg x, typename V::reg y, typename V::reg u, float top, bool fourth) {
+  using reg = typename V::reg;
+  const reg lo = V::min(V::floor(y), V::set1(top - 1.0f));
+  auto grid = [&](reg c) {
+    const reg t = V::mul(c, V::set1(1.0f / top));
+    const reg t2 = V::mul(t, t);
+    return fourth ? V::mul(t2, t2) : t2;
+  };
+  const reg below = grid(lo);
+  const reg up = V::div(V::sub(x, below), V::sub(grid(V::add(lo, V::set1(1.0f))), below));
+  const reg p = V::min(V::max(up, V::set1(0.0f)), V::set1(1.0f));
+  return V::min(V::add(lo, V::floor(V::add(p, u))), V::set1(top));
+}
 
 template <class V>
-inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, const Q8Scale& km,
-                           const Q8Scale& kv) {
-  using ireg = typename V::ireg;
-  // One hash per element: its low 16 bits round m, its high 16 bits v.
-#ifdef TF_Q8_NO_HASH
-  const ireg h = V::iset1(static_cast<int32_t>(i * 0x9E3779B1u));
-#else
-  const ireg h = V::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
-#endif
-  const typename V::reg m = V::load(mbuf);
-  const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
-  const ireg sign = V::template sra<31>(V::bits(m));
-  V::store(s.m_codes + i, V::isub(V::ixor(a, sign), sign));
-  V::store(s.v_codes + i, q8_encode<V>(V::load(vbuf), V::template srl<16>(h), kv, 255));
+inline void q8_encode(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, float inv_m, float inv_w) {
+  using reg = typename V::reg;
+  const uint32_t index = s.index_base + static_cast<uint32_t>(i);
+  const reg m = V::load(mbuf);
+  const reg xm = V::mul(V::abs(m), V::set1(inv_m));  // |m| / scale
+  const reg ym = V::mul(V::set1(127.0f), V::sqrt(xm));
+  const reg qm = q8_code<V>(xm, ym, V::uniform(index, q8_key(s.step, kSaltM)), 127.0f, false);
+  V::store(s.m_codes + i, V::copysign(qm, m));
+  const reg a = V::mul(V::sqrt(V::load(vbuf)), V::set1(inv_w));  // sqrt(v) / scale
+  const reg yv = V::mul(V::set1(255.0f), V::sqrt(a));
+  V::store(s.v_codes + i, q8_code<V>(V::mul(a, a), yv, V::uniform(index, q8_key(s.step, kSaltV)), 255.0f, true));
 }
 
 template <class V, class G, class O>
@@ -129,107 +82,59 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
   alignas(64) float mbuf[kQ8Block];
   alignas(64) float vbuf[kQ8Block];
-  const AdamConsts c = *s.consts;  // a local copy: the stores below cannot alias it, so it stays in registers
   for (int64_t j = block_begin; j < block_end; ++j) {
     const int64_t lo = j * kQ8Block;
     const int64_t n = std::min<int64_t>(kQ8Block, s.numel - lo);
-#ifdef TF_Q8_PREFETCH
-    if (j + TF_Q8_PREFETCH < block_end) {
-      const int64_t ahead = (j + TF_Q8_PREFETCH) * kQ8Block;
-      for (int k = 0; k < kQ8Block; k += 16) V::prefetch(s.param + ahead + k);
-      for (int k = 0; k < kQ8Block; k += 32) V::prefetch(static_cast<const G*>(s.grad) + ahead + k);
-      for (int k = 0; k < kQ8Block; k += 64) V::prefetch(s.m_codes + ahead + k), V::prefetch(s.v_codes + ahead + k);
-    }
-#endif
-    Q8Scale km = q8_scale(s.m_scales[j], kQ8TopFieldM), kv = q8_scale(s.v_scales[j], kQ8TopFieldV);
+    const float sm = s.m_scales[j], sw = s.v_scales[j];
     typename V::reg vmax_m = V::set1(0.0f), vmax_v = V::set1(0.0f);
     float tmax_m = 0.0f, tmax_v = 0.0f;
     int64_t i = 0;
     for (; i + V::kWidth <= n; i += V::kWidth) {
-      q8_decode_step<V, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, vmax_m, vmax_v);
+      q8_decode_step<V, G, O>(s, lo + i, sm, sw, mbuf + i, vbuf + i, vmax_m, vmax_v);
     }
     for (; i < n; ++i) {
-      q8_decode_step<Tail, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, tmax_m, tmax_v);
+      q8_decode_step<Tail, G, O>(s, lo + i, sm, sw, mbuf + i, vbuf + i, tmax_m, tmax_v);
     }
-    const uint8_t fm = q8_field(std::max(V::hmax(vmax_m), tmax_m), kQ8TopFieldM);
-    const uint8_t fv = q8_field(std::max(V::hmax(vmax_v), tmax_v), kQ8TopFieldV);
-    km = q8_scale(fm, kQ8TopFieldM);
-    kv = q8_scale(fv, kQ8TopFieldV);
+    const float max_m = std::max(V::hmax(vmax_m), tmax_m);
+    const float scale_w = __builtin_sqrtf(std::max(V::hmax(vmax_v), tmax_v));
+    const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f;
+    const float inv_w = scale_w > 0.0f ? 1.0f / scale_w : 0.0f;
     for (i = 0; i + V::kWidth <= n; i += V::kWidth) {
-      q8_encode_both<V>(s, lo + i, mbuf + i, vbuf + i, km, kv);
+      q8_encode<V>(s, lo + i, mbuf + i, vbuf + i, inv_m, inv_w);
     }
     for (; i < n; ++i) {
-      q8_encode_both<Tail>(s, lo + i, mbuf + i, vbuf + i, km, kv);
+      q8_encode<Tail>(s, lo + i, mbuf + i, vbuf + i, inv_m, inv_w);
     }
-    s.m_scales[j] = fm;
-    s.v_scales[j] = fv;
+    s.m_scales[j] = max_m;
+    s.v_scales[j] = scale_w;
   }
   if constexpr (!std::is_same_v<O, no_out_t>) {
     V::fence_streams();
   }
-}
-
-// The bandwidth probe of this access pattern: the same loads and stores (codes written back as read, scales
-// rewritten), trivial arithmetic.
-template <class V, class G, class O>
-void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
-  using Tail = VecScalarOf<false>;
-  const int64_t begin = block_begin * kQ8Block, end = std::min(s.numel, block_end * kQ8Block);
-  auto lanes = [&](auto vec, int64_t i) {
-    using W = decltype(vec);
-    const typename W::reg x = W::add(W::load(s.param + i), W::load(static_cast<const G*>(s.grad) + i));
-    W::store(s.param + i, x);
-    if constexpr (!std::is_same_v<O, no_out_t>) {
-      W::store(static_cast<O*>(s.out) + i, x);
-    }
-    W::store(s.m_codes + i, W::load(s.m_codes + i));
-    W::store(s.v_codes + i, W::load(s.v_codes + i));
-  };
-  int64_t i = begin;
-  for (; i + V::kWidth <= end; i += V::kWidth) lanes(V{}, i);
-  for (; i < end; ++i) lanes(Tail{}, i);
-  for (int64_t j = block_begin; j < block_end; ++j) {
-    s.m_scales[j] = static_cast<uint8_t>(s.m_scales[j] + 1);
-    s.v_scales[j] = static_cast<uint8_t>(s.v_scales[j] + 1);
-  }
-  if constexpr (!std::is_same_v<O, no_out_t>) {
-    V::fence_streams();
-  }
-}
-
-template <class V, class G, class O>
-void q8_body(const Q8Span& s, int64_t begin, int64_t end) {
-  if (s.body == Body::kProbe) return q8_probe_range<V, G, O>(s, begin, end);
-  q8_range<V, G, O>(s, begin, end);
 }
 
 template <class V, class G>
 void q8_dispatch_out(const Q8Span& s, int64_t begin, int64_t end) {
   switch (s.out_dtype) {
     case Dtype::kBFloat16:
-      return q8_body<V, G, bf16_t>(s, begin, end);
+      return q8_range<V, G, bf16_t>(s, begin, end);
     case Dtype::kFloat16:
-      return q8_body<V, G, fp16_t>(s, begin, end);
+      return q8_range<V, G, fp16_t>(s, begin, end);
     case Dtype::kFloat32:
-      return q8_body<V, G, float>(s, begin, end);
+      return q8_range<V, G, float>(s, begin, end);
     default:
-      return q8_body<V, G, no_out_t>(s, begin, end);
+      return q8_range<V, G, no_out_t>(s, begin, end);
   }
 }
 
 template <class V>
 void run_q8_impl(const Q8Span& s, int64_t begin, int64_t end) {
-  const unsigned int csr = _mm_getcsr();
-  _mm_setcsr(csr & ~0x8040u);  // subnormals as IEEE: flush-to-zero (bit 15) and denormals-are-zero (bit 6) off
   switch (s.grad_dtype) {
     case Dtype::kBFloat16:
-      q8_dispatch_out<V, bf16_t>(s, begin, end);
-      break;
+      return q8_dispatch_out<V, bf16_t>(s, begin, end);
     case Dtype::kFloat16:
-      q8_dispatch_out<V, fp16_t>(s, begin, end);
-      break;
+      return q8_dispatch_out<V, fp16_t>(s, begin, end);
     default:
-      q8_dispatch_out<V, float>(s, begin, end);
+      return q8_dispatch_out<V, float>(s, begin, end);
   }
-  _mm_setcsr(csr);
 }

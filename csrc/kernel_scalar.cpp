@@ -1,6 +1,4 @@
 // Scalar path: portable C++, no instruction-set flags.
-#include <xmmintrin.h>
-
 #include <cstdint>
 
 #include "adam_span.h"
