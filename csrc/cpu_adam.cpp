@@ -32,26 +32,25 @@ int64_t best_simd() {
 using RunSpanFn = void (*)(const AdamSpan&, int64_t, int64_t, Body);
 using RunQ8Fn = void (*)(const Q8Span&, int64_t, int64_t);
 
-RunQ8Fn q8_kernel_for(int64_t simd) {
+// The entry point of the chosen instruction set (one per translation unit).
+template <class Fn>
+Fn for_simd(int64_t simd, Fn avx512_fn, Fn avx2_fn, Fn scalar_fn) {
   switch (simd) {
     case kAvx512:
-      return avx512::run_q8_blocks;
+      return avx512_fn;
     case kAvx2:
-      return avx2::run_q8_blocks;
+      return avx2_fn;
     default:
-      return scalar::run_q8_blocks;
+      return scalar_fn;
   }
 }
 
+RunQ8Fn q8_kernel_for(int64_t simd) {
+  return for_simd<RunQ8Fn>(simd, avx512::run_q8_blocks, avx2::run_q8_blocks, scalar::run_q8_blocks);
+}
+
 RunSpanFn kernel_for(int64_t simd) {
-  switch (simd) {
-    case kAvx512:
-      return avx512::run_span;
-    case kAvx2:
-      return avx2::run_span;
-    default:
-      return scalar::run_span;
-  }
+  return for_simd<RunSpanFn>(simd, avx512::run_span, avx2::run_span, scalar::run_span);
 }
 
 Dtype dtype_of(const at::Tensor& t) {
