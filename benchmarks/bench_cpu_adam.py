@@ -8,9 +8,12 @@ copy written), the bf16-gradient/bf16-copy variant, the memory ceiling of that
 access pattern (a probe that moves the same bytes with trivial arithmetic), and
 a thread sweep. Speculation's variant steps out of place (reads the state
 from one copy, writes it to another: the same bytes), beside its own probe.
-The 8-bit mode (state_precision="int8": int8/uint8 moments with a float32
-scale per 256 elements) moves 16 bytes per parameter (bf16 gradient and
-weight copy); its % of the ceiling is against the bf16 probe's GB/s.
+The 8-bit mode (state_precision="int8": int8/uint8 moments with a one-byte
+scale per 256 elements each) moves 16 bytes per parameter (bf16 gradient and
+weight copy); its % of the ceiling is against its own probe (the same loads
+and stores, trivial arithmetic). It is timed twice: on plain random moments,
+and on moments spread over the codes' whole range, as a trained model's are
+(benchmarks/q8_spread.py).
 Writes JSON (and a PNG of the sweep when matplotlib is present).
 """
 
@@ -25,7 +28,7 @@ from benchmarks.common import interleaved_medians, machine_info, write_json  # n
 from twinflow import ops  # noqa: E402
 
 BYTES_PER_PARAM = 28
-Q8_BYTES_PER_PARAM = 8 + 2 + 2 + 2 + 2 * 8 / 256  # master r/w, codes r/w, gradient, copy, scales r/w
+Q8_BYTES_PER_PARAM = 8 + 2 + 2 + 2 + 2 * 2 / 256  # master r/w, codes r/w, gradient, copy, scales r/w
 
 
 def fp32_set(n: int, gen: torch.Generator) -> dict:
@@ -59,15 +62,22 @@ def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: b
     return run
 
 
-def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor):
+def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor, probe: bool = False, spread: float = 0.0):
+    """`spread`: gradient magnitudes spread over 2^-spread..1, so that moments fill the codes' whole range
+    (benchmarks/q8_spread.py)."""
+    from benchmarks.q8_spread import spread_grad
     from twinflow import compact
 
-    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    p = torch.randn(n, generator=gen)
+    g = spread_grad(n, gen, spread) if spread else torch.randn(n, generator=gen).bfloat16()
     state = compact.fresh(n)
     step = [0]
 
     def run() -> None:
         step[0] += 1
+        if probe:
+            ops.bandwidth_probe_q8_([p], [g], *([t] for t in state), out_copies=[out], num_threads=threads)
+            return
         ops.adam_step_q8_([p], [g], *([t] for t in state), [step[0]], lr=1e-4,
                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out_copies=[out],
                           num_threads=threads)  # fmt: skip
@@ -103,6 +113,10 @@ def copy_bandwidth(n: int, rounds: int) -> float:
     src, dst = torch.randn(n), torch.empty(n)
     seconds = interleaved_medians({"copy": lambda: dst.copy_(src)}, rounds=rounds)["copy"]
     return 2 * n * 4 / seconds / 1e9
+
+
+def bytes_of(system: str) -> float:
+    return Q8_BYTES_PER_PARAM if "int8" in system else BYTES_PER_PARAM
 
 
 def rate(n: int, seconds: float, bytes_per_param: float = BYTES_PER_PARAM) -> dict:
@@ -141,6 +155,8 @@ def main() -> None:
         "twinflow_bf16_out_of_place": twinflow_fn(bf16_set, threads, out=bf16_out, apart=second),
         "probe_bf16_out_of_place": twinflow_fn(probe_bf16, threads, out=bf16_out, probe=True, apart=second),
         "twinflow_int8_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out),
+        "twinflow_int8_state_spread_moments": q8_fn(n, threads, gen, bf16_out, spread=16.0),
+        "probe_int8_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out, probe=True),
     }
     if not args.no_deepspeed:
         try:
@@ -149,9 +165,7 @@ def main() -> None:
             result["deepspeed_error"] = f"{type(exc).__name__}: {exc}"
             print("DeepSpeedCPUAdam unavailable:", result["deepspeed_error"], flush=True)
     medians = interleaved_medians(fns, rounds=args.rounds)
-    result["systems"] = {
-        name: rate(n, s, Q8_BYTES_PER_PARAM if "int8" in name else BYTES_PER_PARAM) for name, s in medians.items()
-    }
+    result["systems"] = {name: rate(n, s, bytes_of(name)) for name, s in medians.items()}
     for name, r in result["systems"].items():
         print(f"  {name:32s} {r['median_s'] * 1e3:8.1f} ms  {r['gparam_s']:6.2f} Gparam/s  {r['gb_s']:6.1f} GB/s")
 
@@ -165,8 +179,12 @@ def main() -> None:
         / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
         "int8_state_vs_fp32_state": sysr["twinflow_int8_state_bf16grad_bf16out"]["gparam_s"]
         / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
+        "int8_spread_moments_vs_fp32_state": sysr["twinflow_int8_state_spread_moments"]["gparam_s"]
+        / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
         "int8_state_vs_ceiling": sysr["twinflow_int8_state_bf16grad_bf16out"]["gb_s"]
-        / sysr["probe_bf16grad_bf16out"]["gb_s"],
+        / sysr["probe_int8_state_bf16grad_bf16out"]["gb_s"],
+        "int8_probe_vs_fp32_probe": sysr["probe_int8_state_bf16grad_bf16out"]["gparam_s"]
+        / sysr["probe_bf16grad_bf16out"]["gparam_s"],
     }
     if "deepspeed_cpu_adam_fp32" in sysr:
         checks["fp32_vs_deepspeed"] = sysr["twinflow_fp32"]["gparam_s"] / sysr["deepspeed_cpu_adam_fp32"]["gparam_s"]
@@ -180,11 +198,13 @@ def main() -> None:
                 "twinflow_fp32": twinflow_fn(ours, t),
                 "torch_fused_fp32": torch_fused_fn(fused, t),
                 "twinflow_bf16grad_bf16out": twinflow_fn(bf16_set, t, out=bf16_out),
+                "twinflow_int8_state_bf16grad_bf16out": q8_fn(n, t, gen, bf16_out),
+                "probe_int8_state_bf16grad_bf16out": q8_fn(n, t, gen, bf16_out, probe=True),
             },
             rounds=max(3, args.rounds // 2),
             warmup=1,
         )
-        sweep[t] = {name: rate(n, s) for name, s in m.items()}
+        sweep[t] = {name: rate(n, s, bytes_of(name)) for name, s in m.items()}
         print(f"  {t:2d} threads: " + "  ".join(f"{k} {v['gparam_s']:.2f}" for k, v in sweep[t].items()), flush=True)
     result["thread_sweep"] = sweep
     path = write_json(result, "bench_cpu_adam.json", args.out)

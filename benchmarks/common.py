@@ -12,17 +12,26 @@ import torch
 
 
 def machine_info() -> dict:
-    cpu = "unknown"
+    cpu, mhz, flags, cores = "unknown", None, "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and cpu == "unknown":
+                cpu = value
+            elif key == "cpu MHz" and mhz is None:
+                mhz = float(value)
+            elif key == "flags" and not flags:
+                flags = value
+            elif key == "core id":
+                cores.add(value)
     except OSError:
         pass
     info = {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
+        "cores_seen": len(cores) or None,  # distinct core ids (one socket): hyper-threads share one
+        "cpu_mhz": mhz,
+        "avx512_bf16": "avx512_bf16" in flags.split(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),

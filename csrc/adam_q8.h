@@ -8,22 +8,94 @@
 // multiply-add), so every path, vector lanes and single elements alike, rounds
 // the same: results do not depend on the instruction set or the thread split,
 // and a float32 reference that does the same operations in order matches bit
-// for bit.
+// for bit (twinflow/compact.py).
+//
+// The codes are small floating-point numbers relative to the block. A block's
+// scale is a power of two kept as its float32 exponent field F (one byte),
+// chosen so that its largest magnitude stays within the top code. A code's
+// magnitude a has a relative exponent field a >> 3 and 3 mantissa bits; with
+// D = F - top field, a code with field >= 1 is the float32 whose bit pattern is
+// (a << 20) + (D << 23), and the bottom field (a < 8) holds evenly spaced values
+// (a & 7) / 8 * 2^(D - 126) below the block's lowest binade, as float32's own
+// subnormals would. Decoding and encoding work on bit patterns: a shift and an
+// integer add of D << 23; in the bottom field, a subtraction (decode) or an
+// addition (encode) of 2^(D - 126), the block's lowest normal value, whose
+// binade's spacing is the bottom field's. Encoding adds random bits below the
+// kept mantissa to the pattern before the shift (stochastic rounding, unbiased
+// in value). No square root, division or multiply, and no float32 subnormal
+// appears on the way: on x86 a vector operation with a subnormal input or
+// result takes a slow microcode assist, and trained moments fill the bottom
+// field far more often than random ones do. (The one exception: blocks whose
+// scale is below 2^(top field + 3 - 127), where the bottom field itself is
+// subnormal.) exp_avg keeps a sign and 4 exponent bits (top field 15: down to
+// 2^-14 of the block's top binade), exp_avg_sq 5 (top field 31: down to 2^-30,
+// so that a small v beside a large one in its block keeps a code and its
+// update stays bounded). Each call clears flush-to-zero and
+// denormals-are-zero for its own thread while it runs, so that those rare
+// blocks, and Adam's own arithmetic, round as the reference does.
 #pragma once
 
-template <class V, class G, class O>
-inline void q8_decode_step(const Q8Span& s, int64_t i, float sm, float sw, float* mbuf, float* vbuf,
-                           typename V::reg& max_m, typename V::reg& max_v) {
+constexpr int32_t kQ8MantShift = 20;       // float32 mantissa bits below the 3 a code keeps
+constexpr int32_t kQ8TopFieldM = 15;       // exp_avg: 4 exponent bits
+constexpr int32_t kQ8TopFieldV = 31;       // exp_avg_sq: 5 exponent bits
+constexpr uint32_t kQ8Salt = 0x2545F491u;  // the rounding noise's stream
+
+// 2^(field - 127) for a float32 exponent field in [1, 254].
+inline float q8_pow2(int32_t field) { return VecScalarOf<false>::float_of(static_cast<uint32_t>(field) << 23); }
+
+// A block's constants: D << 23, added to a code's bit pattern; 2^(D - 126), its lowest normal value, and that
+// value's bit pattern.
+struct Q8Scale {
+  int32_t shift;
+  float floor;
+  int32_t floor_bits;
+};
+
+inline Q8Scale q8_scale(uint8_t field, int32_t top) {
+  const int32_t d = std::max<int32_t>(field - top, 0);
+  return {d << 23, q8_pow2(d + 1), (d + 1) << 23};
+}
+
+// The block's exponent field: the largest magnitude's, one higher where it would round above the top code.
+inline uint8_t q8_field(float largest, int32_t top) {
+  const uint32_t f = (VecScalarOf<false>::bits_of(largest) + (1u << kQ8MantShift)) >> 23;
+  return static_cast<uint8_t>(std::min<int32_t>(std::max<int32_t>(static_cast<int32_t>(f), top), 254));
+}
+
+// Codes' magnitudes a (int32 lanes) and sign bits -> float32 values.
+template <class V>
+inline typename V::reg q8_decode(typename V::ireg a, typename V::ireg sign, const Q8Scale& k) {
   using reg = typename V::reg;
-  const AdamConsts& c = *s.consts;
+  const typename V::ireg b = V::iadd(V::template sll<kQ8MantShift>(a), V::iset1(k.shift));
+  // bottom field: (1 + mantissa / 8) * 2^(D - 126) - 2^(D - 126), exact (both within one binade)
+  const reg low = V::sub(V::from_bits(V::iadd(b, V::iset1(1 << 23))), V::set1(k.floor));
+  const reg mag = V::select_ge(a, V::iset1(8), V::from_bits(b), low);
+  return V::from_bits(V::ior(V::bits(mag), sign));
+}
+
+// Magnitudes x >= 0 (at most the block's top value) -> codes, rounded up with the probability that keeps the value
+// right on average; noise: 16 random bits per lane.
+template <class V>
+inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg noise, const Q8Scale& k, int32_t top_code) {
+  using ireg = typename V::ireg;
+  // below the lowest binade: x + 2^(D - 126) rounds x to that binade's spacing, 2^20 times finer than a code step
+  const ireg low = V::isub(V::bits(V::add(x, V::set1(k.floor))), V::iset1(k.floor_bits));
+  const ireg y = V::select_ge(x, V::set1(k.floor), V::isub(V::bits(x), V::iset1(k.shift)), low);
+  const ireg r = V::ior(V::template sll<kQ8MantShift - 16>(noise), V::iset1(1 << (kQ8MantShift - 17)));
+  return V::imin(V::template srl<kQ8MantShift>(V::iadd(y, r)), V::iset1(top_code));
+}
+
+template <class V, class G, class O>
+inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
+                           float* mbuf, float* vbuf, typename V::reg& max_m, typename V::reg& max_v) {
+  using reg = typename V::reg;
+  using ireg = typename V::ireg;
   float* p = s.param + i;
   reg grad = V::load(static_cast<const G*>(s.grad) + i);
   reg param = V::load(p);
-  const reg tm = V::mul(V::load(s.m_codes + i), V::set1(1.0f / 127.0f));
-  const reg tv = V::mul(V::load(s.v_codes + i), V::set1(1.0f / 255.0f));
-  const reg m = V::mul(V::set1(sm), V::mul(tm, V::abs(tm)));
-  const reg w = V::mul(V::set1(sw), V::mul(tv, tv));
-  const reg v = V::mul(w, w);
+  const ireg cm = V::load(s.m_codes + i);
+  const reg m = q8_decode<V>(V::iabs(cm), V::iand(cm, V::iset1(INT32_MIN)), km);
+  const reg v = q8_decode<V>(V::load(s.v_codes + i), V::iset1(0), kv);
   if (c.grad_scale != 1.0f) grad = V::mul(grad, V::set1(c.grad_scale));
   if (c.l2_decay != 0.0f) grad = V::add(grad, V::mul(V::set1(c.l2_decay), param));
   const reg m_new = V::add(V::mul(V::set1(c.beta1), m), V::mul(V::set1(c.one_minus_beta1), grad));
@@ -41,40 +113,20 @@ inline void q8_decode_step(const Q8Span& s, int64_t i, float sm, float sw, float
   max_v = V::max(max_v, v_new);
 }
 
-// Stochastic rounding keys: one stream for m, another for v, new every step.
-inline uint32_t q8_key(uint32_t step, uint32_t salt) { return step * 0x85EBCA77u ^ salt; }
-constexpr uint32_t kSaltM = 0x2545F491u;
-constexpr uint32_t kSaltV = 0x9B97A4D3u;
-
-// One code of x (relative to its block's scale, in [0, 1]) on the grid x = (c / top)^power, rounded up with the
-// probability that makes the decoded value right on average: floor(y) or floor(y) + 1, y = top * x^(1 / power).
-template <class V>
-inline typename V::reg q8_code(typename V::reg x, typename V::reg y, typename V::reg u, float top, bool fourth) {
-  using reg = typename V::reg;
-  const reg lo = V::min(V::floor(y), V::set1(top - 1.0f));
-  auto grid = [&](reg c) {
-    const reg t = V::mul(c, V::set1(1.0f / top));
-    const reg t2 = V::mul(t, t);
-    return fourth ? V::mul(t2, t2) : t2;
-  };
-  const reg below = grid(lo);
-  const reg up = V::div(V::sub(x, below), V::sub(grid(V::add(lo, V::set1(1.0f))), below));
-  const reg p = V::min(V::max(up, V::set1(0.0f)), V::set1(1.0f));
-  return V::min(V::add(lo, V::floor(V::add(p, u))), V::set1(top));
-}
+// Stochastic rounding key: new every step (added to the element's index before the hash).
+inline uint32_t q8_key(uint32_t step) { return step * 0x85EBCA77u ^ kQ8Salt; }
 
 template <class V>
-inline void q8_encode(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, float inv_m, float inv_w) {
-  using reg = typename V::reg;
-  const uint32_t index = s.index_base + static_cast<uint32_t>(i);
-  const reg m = V::load(mbuf);
-  const reg xm = V::mul(V::abs(m), V::set1(inv_m));  // |m| / scale
-  const reg ym = V::mul(V::set1(127.0f), V::sqrt(xm));
-  const reg qm = q8_code<V>(xm, ym, V::uniform(index, q8_key(s.step, kSaltM)), 127.0f, false);
-  V::store(s.m_codes + i, V::copysign(qm, m));
-  const reg a = V::mul(V::sqrt(V::load(vbuf)), V::set1(inv_w));  // sqrt(v) / scale
-  const reg yv = V::mul(V::set1(255.0f), V::sqrt(a));
-  V::store(s.v_codes + i, q8_code<V>(V::mul(a, a), yv, V::uniform(index, q8_key(s.step, kSaltV)), 255.0f, true));
+inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, const Q8Scale& km,
+                           const Q8Scale& kv) {
+  using ireg = typename V::ireg;
+  // One hash per element: its low 16 bits round m, its high 16 bits v.
+  const ireg h = V::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
+  const typename V::reg m = V::load(mbuf);
+  const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
+  const ireg sign = V::template sra<31>(V::bits(m));
+  V::store(s.m_codes + i, V::isub(V::ixor(a, sign), sign));
+  V::store(s.v_codes + i, q8_encode<V>(V::load(vbuf), V::template srl<16>(h), kv, 255));
 }
 
 template <class V, class G, class O>
@@ -82,59 +134,99 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
   alignas(64) float mbuf[kQ8Block];
   alignas(64) float vbuf[kQ8Block];
+  const AdamConsts c = *s.consts;  // a local copy: the stores below cannot alias it, so it stays in registers
   for (int64_t j = block_begin; j < block_end; ++j) {
     const int64_t lo = j * kQ8Block;
     const int64_t n = std::min<int64_t>(kQ8Block, s.numel - lo);
-    const float sm = s.m_scales[j], sw = s.v_scales[j];
+    Q8Scale km = q8_scale(s.m_scales[j], kQ8TopFieldM), kv = q8_scale(s.v_scales[j], kQ8TopFieldV);
     typename V::reg vmax_m = V::set1(0.0f), vmax_v = V::set1(0.0f);
     float tmax_m = 0.0f, tmax_v = 0.0f;
     int64_t i = 0;
     for (; i + V::kWidth <= n; i += V::kWidth) {
-      q8_decode_step<V, G, O>(s, lo + i, sm, sw, mbuf + i, vbuf + i, vmax_m, vmax_v);
+      q8_decode_step<V, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, vmax_m, vmax_v);
     }
     for (; i < n; ++i) {
-      q8_decode_step<Tail, G, O>(s, lo + i, sm, sw, mbuf + i, vbuf + i, tmax_m, tmax_v);
+      q8_decode_step<Tail, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, tmax_m, tmax_v);
     }
-    const float max_m = std::max(V::hmax(vmax_m), tmax_m);
-    const float scale_w = __builtin_sqrtf(std::max(V::hmax(vmax_v), tmax_v));
-    const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f;
-    const float inv_w = scale_w > 0.0f ? 1.0f / scale_w : 0.0f;
+    const uint8_t fm = q8_field(std::max(V::hmax(vmax_m), tmax_m), kQ8TopFieldM);
+    const uint8_t fv = q8_field(std::max(V::hmax(vmax_v), tmax_v), kQ8TopFieldV);
+    km = q8_scale(fm, kQ8TopFieldM);
+    kv = q8_scale(fv, kQ8TopFieldV);
     for (i = 0; i + V::kWidth <= n; i += V::kWidth) {
-      q8_encode<V>(s, lo + i, mbuf + i, vbuf + i, inv_m, inv_w);
+      q8_encode_both<V>(s, lo + i, mbuf + i, vbuf + i, km, kv);
     }
     for (; i < n; ++i) {
-      q8_encode<Tail>(s, lo + i, mbuf + i, vbuf + i, inv_m, inv_w);
+      q8_encode_both<Tail>(s, lo + i, mbuf + i, vbuf + i, km, kv);
     }
-    s.m_scales[j] = max_m;
-    s.v_scales[j] = scale_w;
+    s.m_scales[j] = fm;
+    s.v_scales[j] = fv;
   }
   if constexpr (!std::is_same_v<O, no_out_t>) {
     V::fence_streams();
   }
 }
 
+// The bandwidth probe of this access pattern: the same loads and stores (codes written back as read, scales
+// rewritten), trivial arithmetic.
+template <class V, class G, class O>
+void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
+  using Tail = VecScalarOf<false>;
+  const int64_t begin = block_begin * kQ8Block, end = std::min(s.numel, block_end * kQ8Block);
+  auto lanes = [&](auto vec, int64_t i) {
+    using W = decltype(vec);
+    const typename W::reg x = W::add(W::load(s.param + i), W::load(static_cast<const G*>(s.grad) + i));
+    W::store(s.param + i, x);
+    if constexpr (!std::is_same_v<O, no_out_t>) {
+      W::store(static_cast<O*>(s.out) + i, x);
+    }
+    W::store(s.m_codes + i, W::load(s.m_codes + i));
+    W::store(s.v_codes + i, W::load(s.v_codes + i));
+  };
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) lanes(V{}, i);
+  for (; i < end; ++i) lanes(Tail{}, i);
+  for (int64_t j = block_begin; j < block_end; ++j) {
+    s.m_scales[j] = static_cast<uint8_t>(s.m_scales[j] + 1);
+    s.v_scales[j] = static_cast<uint8_t>(s.v_scales[j] + 1);
+  }
+  if constexpr (!std::is_same_v<O, no_out_t>) {
+    V::fence_streams();
+  }
+}
+
+template <class V, class G, class O>
+void q8_body(const Q8Span& s, int64_t begin, int64_t end) {
+  if (s.body == Body::kProbe) return q8_probe_range<V, G, O>(s, begin, end);
+  q8_range<V, G, O>(s, begin, end);
+}
+
 template <class V, class G>
 void q8_dispatch_out(const Q8Span& s, int64_t begin, int64_t end) {
   switch (s.out_dtype) {
     case Dtype::kBFloat16:
-      return q8_range<V, G, bf16_t>(s, begin, end);
+      return q8_body<V, G, bf16_t>(s, begin, end);
     case Dtype::kFloat16:
-      return q8_range<V, G, fp16_t>(s, begin, end);
+      return q8_body<V, G, fp16_t>(s, begin, end);
     case Dtype::kFloat32:
-      return q8_range<V, G, float>(s, begin, end);
+      return q8_body<V, G, float>(s, begin, end);
     default:
-      return q8_range<V, G, no_out_t>(s, begin, end);
+      return q8_body<V, G, no_out_t>(s, begin, end);
   }
 }
 
 template <class V>
 void run_q8_impl(const Q8Span& s, int64_t begin, int64_t end) {
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr & ~0x8040u);  // subnormals as IEEE: flush-to-zero (bit 15) and denormals-are-zero (bit 6) off
   switch (s.grad_dtype) {
     case Dtype::kBFloat16:
-      return q8_dispatch_out<V, bf16_t>(s, begin, end);
+      q8_dispatch_out<V, bf16_t>(s, begin, end);
+      break;
     case Dtype::kFloat16:
-      return q8_dispatch_out<V, fp16_t>(s, begin, end);
+      q8_dispatch_out<V, fp16_t>(s, begin, end);
+      break;
     default:
-      return q8_dispatch_out<V, float>(s, begin, end);
+      q8_dispatch_out<V, float>(s, begin, end);
   }
+  _mm_setcsr(csr);
 }

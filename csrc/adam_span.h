@@ -63,10 +63,14 @@ struct AdamSpan {
   const AdamConsts* consts;
 };
 
+// Which kernel body runs: the Adam update, or a bandwidth probe that moves
+// the same bytes with trivial arithmetic (to measure the memory ceiling).
+enum class Body : int32_t { kAdam = 0, kProbe = 1 };
+
 // 8-bit moments (state_precision="int8"): per block of kQ8Block elements of a
-// tensor, exp_avg as int8 codes c with one scale s (m = s * t * |t|, t = c / 127)
-// and exp_avg_sq as uint8 codes with one scale w (v = (w * t * t)^2, t = c / 255):
-// square-root companding, so small values keep codes; stochastic rounding, so
+// tensor, exp_avg as int8 codes and exp_avg_sq as uint8 codes, each a small
+// float relative to a power-of-two block scale kept as one byte (its float32
+// exponent field; adam_q8.h has the format), stochastically rounded so that
 // moments that move by less than a code step per step still move on average.
 constexpr int64_t kQ8Block = 256;
 
@@ -74,9 +78,9 @@ struct Q8Span {
   float* param;
   const void* grad;
   int8_t* m_codes;
-  float* m_scales;  // one per block: the block's largest |exp_avg|
+  uint8_t* m_scales;  // one per block: the float32 exponent field of its scale
   uint8_t* v_codes;
-  float* v_scales;  // one per block: sqrt of the block's largest exp_avg_sq
+  uint8_t* v_scales;
   void* out;
   int64_t numel;
   uint32_t index_base;  // the tensor's first element's index in its parameter (the rounding noise's input)
@@ -84,11 +88,8 @@ struct Q8Span {
   Dtype grad_dtype;
   Dtype out_dtype;
   const AdamConsts* consts;
+  Body body;
 };
-
-// Which kernel body runs: the Adam update, or a bandwidth probe that moves
-// the same bytes with trivial arithmetic (to measure the memory ceiling).
-enum class Body : int32_t { kAdam = 0, kProbe = 1 };
 
 // One entry point per instruction set, each in its own translation unit.
 // Processes elements [begin, end) of the span.

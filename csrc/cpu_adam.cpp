@@ -261,10 +261,11 @@ void check_q8_args(at::TensorList params, at::TensorList grads, at::TensorList m
       const char* name;
       at::ScalarType dtype;
       int64_t numel;
-    } parts[] = {{m_codes[i], "exp_avg_codes", at::kChar, p.numel()},
-                 {v_codes[i], "exp_avg_sq_codes", at::kByte, p.numel()},
-                 {m_scales[i], "exp_avg_scales", at::kFloat, q8_blocks(p.numel())},
-                 {v_scales[i], "exp_avg_sq_scales", at::kFloat, q8_blocks(p.numel())}};
+      const char* unit;
+    } parts[] = {{m_codes[i], "exp_avg_codes", at::kChar, p.numel(), "code per element"},
+                 {v_codes[i], "exp_avg_sq_codes", at::kByte, p.numel(), "code per element"},
+                 {m_scales[i], "exp_avg_scales", at::kByte, q8_blocks(p.numel()), "scale per block of 256 elements"},
+                 {v_scales[i], "exp_avg_sq_scales", at::kByte, q8_blocks(p.numel()), "scale per block of 256 elements"}};
     for (const auto& part : parts) {
       TORCH_CHECK_TYPE(part.t.scalar_type() == part.dtype, part.name, "[", i, "] has dtype ", part.t.scalar_type(),
                        "; expected ", part.dtype);
@@ -272,17 +273,18 @@ void check_q8_args(at::TensorList params, at::TensorList grads, at::TensorList m
                         "] must be a contiguous CPU tensor");
       TORCH_CHECK_VALUE(part.t.numel() == part.numel, part.name, "[", i, "] has ", part.t.numel(),
                         " elements; expected ", part.numel, " (one ",
-                        part.dtype == at::kFloat ? "scale per block of 256 elements" : "code per element",
+                        part.unit,
                         " of params[", i, "], which has ", p.numel(), ")");
     }
     TORCH_CHECK_VALUE(index_bases[i] >= 0, "index_bases[", i, "] must be >= 0, got ", index_bases[i]);
   }
 }
 
-void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
-                  at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
-                  at::IntArrayRef index_bases, double lr, double beta1, double beta2, double eps, double weight_decay,
-                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd) {
+void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                       at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies,
+                       at::IntArrayRef steps, at::IntArrayRef index_bases, double lr, double beta1, double beta2,
+                       double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
+                       int64_t num_threads, int64_t simd, Body body) {
   // The float32 path's checks of params, grads, out copies, steps and hyper-parameters (params stand in for the
   // moments there); then the 8-bit state's.
   check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd);
@@ -300,10 +302,10 @@ void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_
   for (size_t i = 0; i < n; ++i) {
     const bool has_out = !out_copies.empty();
     spans.push_back(Q8Span{params[i].data_ptr<float>(), grads[i].data_ptr(), m_codes[i].data_ptr<int8_t>(),
-                           m_scales[i].data_ptr<float>(), v_codes[i].data_ptr<uint8_t>(),
-                           v_scales[i].data_ptr<float>(), has_out ? out_copies[i].data_ptr() : nullptr,
+                           m_scales[i].data_ptr<uint8_t>(), v_codes[i].data_ptr<uint8_t>(),
+                           v_scales[i].data_ptr<uint8_t>(), has_out ? out_copies[i].data_ptr() : nullptr,
                            params[i].numel(), static_cast<uint32_t>(index_bases[i]), static_cast<uint32_t>(steps[i]),
-                           dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i]});
+                           dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i], body});
     first_block[i + 1] = first_block[i] + q8_blocks(params[i].numel());
   }
   const int64_t total = first_block.back();
@@ -330,6 +332,23 @@ void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_
   }
 }
 
+void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                  at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
+                  at::IntArrayRef index_bases, double lr, double beta1, double beta2, double eps, double weight_decay,
+                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd) {
+  adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, index_bases, lr, beta1,
+                    beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
+}
+
+// The 8-bit mode's memory ceiling: its loads and stores, no Adam arithmetic.
+void bandwidth_probe_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                        at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies,
+                        int64_t num_threads, int64_t simd) {
+  std::vector<int64_t> steps(params.size(), 1), bases(params.size(), 0);
+  adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, bases, 0.0, 0.0, 0.0, 0.0,
+                    0.0, true, true, 1.0, num_threads, simd, Body::kProbe);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(twinflow, m) {
@@ -345,6 +364,10 @@ TORCH_LIBRARY(twinflow, m) {
       "Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] out_copies, int[] steps, "
       "int[] index_bases, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
       "bool bias_correction, float grad_scale, int num_threads, int simd) -> ()");
+  m.def(
+      "bandwidth_probe_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, "
+      "Tensor(c!)[] exp_avg_scales, Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, "
+      "Tensor(f!)[] out_copies, int num_threads, int simd) -> ()");
   m.def("cpu_simd_level() -> int", &cpu_simd_level);
   m.def("q8_block_size() -> int", []() -> int64_t { return kQ8Block; });
 }
@@ -355,6 +378,7 @@ TORCH_LIBRARY_IMPL(twinflow, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
   m.impl("adam_step_q8_", &adam_step_q8);
+  m.impl("bandwidth_probe_q8_", &bandwidth_probe_q8);
 }
 
 }  // namespace twinflow

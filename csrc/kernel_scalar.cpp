@@ -1,4 +1,6 @@
 // Scalar path: portable C++, no instruction-set flags.
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 #include "adam_span.h"

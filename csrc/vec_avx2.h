@@ -24,50 +24,63 @@ struct VecAvx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
-  // --- 8-bit state (adam_q8.h)
+  // --- 8-bit state (adam_q8.h): int32 lanes for the codes
+  using ireg = __m256i;
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
-  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   static reg abs(reg a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
-  static reg floor(reg a) { return _mm256_floor_ps(a); }
-  static reg copysign(reg mag, reg sgn) {
-    const reg sign = _mm256_set1_ps(-0.0f);
-    return _mm256_or_ps(_mm256_andnot_ps(sign, mag), _mm256_and_ps(sign, sgn));
-  }
   static float hmax(reg a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  static reg load(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  static ireg iset1(int32_t x) { return _mm256_set1_epi32(x); }
+  static ireg bits(reg a) { return _mm256_castps_si256(a); }
+  static reg from_bits(ireg a) { return _mm256_castsi256_ps(a); }
+  static reg to_float(ireg a) { return _mm256_cvtepi32_ps(a); }
+  static ireg trunc(reg a) { return _mm256_cvttps_epi32(a); }
+  static ireg iadd(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
+  static ireg isub(ireg a, ireg b) { return _mm256_sub_epi32(a, b); }
+  static ireg iand(ireg a, ireg b) { return _mm256_and_si256(a, b); }
+  static ireg ior(ireg a, ireg b) { return _mm256_or_si256(a, b); }
+  static ireg ixor(ireg a, ireg b) { return _mm256_xor_si256(a, b); }
+  static ireg imin(ireg a, ireg b) { return _mm256_min_epi32(a, b); }
+  static ireg iabs(ireg a) { return _mm256_abs_epi32(a); }
+  template <int k>
+  static ireg srl(ireg a) { return _mm256_srli_epi32(a, k); }
+  template <int k>
+  static ireg sll(ireg a) { return _mm256_slli_epi32(a, k); }
+  template <int k>
+  static ireg sra(ireg a) { return _mm256_srai_epi32(a, k); }
+  // x >= t ? a : b, for float x and int lanes, and for int x and float lanes
+  static ireg select_ge(reg x, reg t, ireg a, ireg b) {
+    const reg ge = _mm256_cmp_ps(x, t, _CMP_GE_OQ);
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(a), ge));
   }
-  static reg load(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  static reg select_ge(ireg x, ireg t, reg a, reg b) {
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(t, x)));
   }
-  static __m128i words(reg x) {
-    const __m256i i = _mm256_cvtps_epi32(x);
-    return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  static ireg load(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static ireg load(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store(int8_t* p, reg x) {
+  static __m128i words(ireg x) { return _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)); }
+  static void store(int8_t* p, ireg x) {
     const __m128i w = words(x);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
   }
-  static void store(uint8_t* p, reg x) {
+  static void store(uint8_t* p, ireg x) {
     const __m128i w = words(x);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
-  static reg uniform(uint32_t index, uint32_t key) {
-    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x9E3779B1u))),
-                         _mm256_set1_epi32(static_cast<int>(key)));
+  static ireg hash(uint32_t index, uint32_t key) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index + key)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 8)), _mm256_set1_ps(0x1p-24f));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   }
 
   static void fence_streams() { _mm_sfence(); }

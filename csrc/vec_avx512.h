@@ -24,42 +24,50 @@ struct VecAvx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 
-  // --- 8-bit state (adam_q8.h)
+  // --- 8-bit state (adam_q8.h): int32 lanes for the codes
+  using ireg = __m512i;
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
-  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   static reg abs(reg a) { return _mm512_abs_ps(a); }
-  static reg floor(reg a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-  static reg copysign(reg mag, reg sgn) {
-    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-    const __m512i m = _mm512_castps_si512(mag), s = _mm512_castps_si512(sgn);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(sign, m), _mm512_and_si512(sign, s)));
-  }
   static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
-  static reg load(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  static ireg iset1(int32_t x) { return _mm512_set1_epi32(x); }
+  static ireg bits(reg a) { return _mm512_castps_si512(a); }
+  static reg from_bits(ireg a) { return _mm512_castsi512_ps(a); }
+  static reg to_float(ireg a) { return _mm512_cvtepi32_ps(a); }
+  static ireg trunc(reg a) { return _mm512_cvttps_epi32(a); }
+  static ireg iadd(ireg a, ireg b) { return _mm512_add_epi32(a, b); }
+  static ireg isub(ireg a, ireg b) { return _mm512_sub_epi32(a, b); }
+  static ireg iand(ireg a, ireg b) { return _mm512_and_si512(a, b); }
+  static ireg ior(ireg a, ireg b) { return _mm512_or_si512(a, b); }
+  static ireg ixor(ireg a, ireg b) { return _mm512_xor_si512(a, b); }
+  static ireg imin(ireg a, ireg b) { return _mm512_min_epi32(a, b); }
+  static ireg iabs(ireg a) { return _mm512_abs_epi32(a); }
+  template <int k>
+  static ireg srl(ireg a) { return _mm512_srli_epi32(a, k); }
+  template <int k>
+  static ireg sll(ireg a) { return _mm512_slli_epi32(a, k); }
+  template <int k>
+  static ireg sra(ireg a) { return _mm512_srai_epi32(a, k); }
+  // x >= t ? a : b, for float x and int lanes, and for int x and float lanes
+  static ireg select_ge(reg x, reg t, ireg a, ireg b) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, t, _CMP_GE_OQ), b, a);
   }
-  static reg load(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  static reg select_ge(ireg x, ireg t, reg a, reg b) { return _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(x, t), b, a); }
+  static ireg load(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static ireg load(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store(int8_t* p, reg x) {  // x holds whole numbers in [-127, 127]
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
-  }
-  static void store(uint8_t* p, reg x) {  // x holds whole numbers in [0, 255]
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(x)));
-  }
-  // Uniform [0, 1) numbers for stochastic rounding: a hash of (index + lane, key) (see VecScalarOf::uniform).
-  static reg uniform(uint32_t index, uint32_t key) {
-    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)),
+  static void store(int8_t* p, ireg x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static void store(uint8_t* p, ireg x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  // Stochastic rounding's noise: lowbias32 of index + lane + key (see VecScalarOf::hash).
+  static ireg hash(uint32_t index, uint32_t key) {
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index + key)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u))),
-                         _mm512_set1_epi32(static_cast<int>(key)));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0x1p-24f));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   }
 
   static void fence_streams() { _mm_sfence(); }

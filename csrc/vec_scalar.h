@@ -58,27 +58,47 @@ struct VecScalarOf {
     return float_of(sign | bits_of(mag));
   }
 
-  // --- 8-bit state (adam_q8.h)
+  // --- 8-bit state (adam_q8.h): int32 lanes for the codes
+  using ireg = int32_t;
   static reg sub(reg a, reg b) { return a - b; }
   static reg max(reg a, reg b) { return a > b ? a : b; }
-  static reg min(reg a, reg b) { return a < b ? a : b; }
   static reg abs(reg a) { return __builtin_fabsf(a); }
-  static reg floor(reg a) { return __builtin_floorf(a); }
-  static reg copysign(reg mag, reg sgn) { return __builtin_copysignf(mag, sgn); }
   static float hmax(reg a) { return a; }
-  static reg load(const int8_t* p) { return static_cast<float>(*p); }
-  static reg load(const uint8_t* p) { return static_cast<float>(*p); }
-  static void store(int8_t* p, reg x) { *p = static_cast<int8_t>(static_cast<int32_t>(x)); }
-  static void store(uint8_t* p, reg x) { *p = static_cast<uint8_t>(static_cast<int32_t>(x)); }
-  // Uniform [0, 1) for stochastic rounding: lowbias32 (Wellons) of index * golden + key, top 24 bits.
-  static reg uniform(uint32_t index, uint32_t key) {
-    uint32_t x = index * 0x9E3779B1u + key;
+  static ireg iset1(int32_t x) { return x; }
+  static ireg bits(reg a) { return static_cast<int32_t>(bits_of(a)); }
+  static reg from_bits(ireg a) { return float_of(static_cast<uint32_t>(a)); }
+  static reg to_float(ireg a) { return static_cast<float>(a); }
+  static ireg trunc(reg a) {  // as cvttps2dq: out of range (or NaN) gives INT32_MIN
+    return a > -2147483904.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
+  }
+  static ireg iadd(ireg a, ireg b) { return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
+  static ireg isub(ireg a, ireg b) { return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)); }
+  static ireg iand(ireg a, ireg b) { return a & b; }
+  static ireg ior(ireg a, ireg b) { return a | b; }
+  static ireg ixor(ireg a, ireg b) { return a ^ b; }
+  static ireg imin(ireg a, ireg b) { return a < b ? a : b; }
+  static ireg iabs(ireg a) { return a < 0 ? -a : a; }
+  template <int k>
+  static ireg srl(ireg a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> k); }
+  template <int k>
+  static ireg sll(ireg a) { return static_cast<int32_t>(static_cast<uint32_t>(a) << k); }
+  template <int k>
+  static ireg sra(ireg a) { return a >> k; }  // arithmetic on every compiler this builds with
+  static ireg select_ge(reg x, reg t, ireg a, ireg b) { return x >= t ? a : b; }
+  static reg select_ge(ireg x, ireg t, reg a, reg b) { return x >= t ? a : b; }
+  static ireg load(const int8_t* p) { return *p; }
+  static ireg load(const uint8_t* p) { return *p; }
+  static void store(int8_t* p, ireg x) { *p = static_cast<int8_t>(x); }
+  static void store(uint8_t* p, ireg x) { *p = static_cast<uint8_t>(x); }
+  // Stochastic rounding's noise: lowbias32 (Wellons) of index + key.
+  static ireg hash(uint32_t index, uint32_t key) {
+    uint32_t x = index + key;
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
     x *= 0x846CA68Bu;
     x ^= x >> 16;
-    return static_cast<float>(x >> 8) * 0x1p-24f;
+    return static_cast<int32_t>(x);
   }
 
   static void fence_streams() {}

@@ -35,8 +35,7 @@ def test_cpu_side_steps_are_the_kernels_bit_for_bit() -> None:
     model, direct = make(), make()
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, state_precision="int8", weight_decay=0.1)
     params = list(direct.parameters())
-    fresh = lambda n: [torch.zeros(n, dtype=torch.int8), torch.zeros(compact.blocks(n)),  # noqa: E731
-                       torch.zeros(n, dtype=torch.uint8), torch.zeros(compact.blocks(n))]  # fmt: skip
+    fresh = compact.fresh
     state = [fresh(p.numel()) for p in params]
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 6):
@@ -71,7 +70,9 @@ def test_trains_like_adamw_and_its_state_dict_is_adamws(ratio: float, placement:
     for i in theirs:
         for key in ("exp_avg", "exp_avg_sq"):
             rel = ((ours[i][key] - theirs[i][key]).norm() / theirs[i][key].norm()).item()
-            assert rel < 0.1, (i, key, rel)  # 8-bit moments of a run that drifted apart a little
+            # decoded 8-bit moments: AdamW's, up to the stochastic rounding's noise (about 0.2 here after 100 steps;
+            # fp32 moments match exactly), which the losses above do not feel; a wrong scale would be off by far more
+            assert rel < 0.35, (i, key, rel)
     # the state dict is torch.optim's: AdamW loads it and goes on
     again = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     again.load_state_dict(opt.state_dict())
@@ -88,7 +89,8 @@ def test_state_moves_between_precisions_and_from_adamw() -> None:
     loaded = q8.state_dict()["state"]
     rels = [((loaded[i][key] - entry[key]).norm() / entry[key].norm()).item()
             for i, entry in saved["state"].items() for key in ("exp_avg", "exp_avg_sq")]  # fmt: skip
-    assert max(rels) < 0.02 and sum(r > 0 for r in rels) >= 2  # the CPU side's, encoded to the nearest grid value
+    # the CPU side's, encoded to the nearest code: within half a step of 3 mantissa bits, 1/16 of the value
+    assert max(rels) < 1 / 16 and sum(r > 0 for r in rels) >= 2
     fp32 = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.3, state_precision="fp32")
     fp32.load_state_dict(q8.state_dict())
     for i, entry in fp32.state_dict()["state"].items():
@@ -105,8 +107,8 @@ def test_host_state_is_about_six_bytes_a_parameter() -> None:
     cpu = opt.split_summary["cpu"]
     assert cpu["state_precision"] == "int8"
     blocks = sum(compact.blocks(p.numel()) for p in model.parameters())  # one piece each at the default chunk size
-    assert cpu["state_bytes"] == 6 * cpu["elements"] + 8 * blocks
-    assert cpu["state_bytes"] / cpu["elements"] < 6.1
+    assert cpu["state_bytes"] == 6 * cpu["elements"] + 2 * blocks
+    assert cpu["state_bytes"] / cpu["elements"] < 6.01
     fp32 = TwinFlowAdam(make().parameters(), ratio=1.0)
     assert fp32.split_summary["cpu"]["state_bytes"] == 12 * cpu["elements"]
 

@@ -41,9 +41,7 @@ def reference_step(p, g, state, step, index_base, hyper, scale):
 
 
 def fresh(n: int) -> dict:
-    blocks = compact.blocks(n)
-    return {"m_codes": torch.zeros(n, dtype=torch.int8), "m_scales": torch.zeros(blocks),
-            "v_codes": torch.zeros(n, dtype=torch.uint8), "v_scales": torch.zeros(blocks)}  # fmt: skip
+    return dict(zip(("m_codes", "m_scales", "v_codes", "v_scales"), compact.fresh(n)))
 
 
 def kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs=None, threads=3):
@@ -82,6 +80,35 @@ def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: 
         assert states[i]["m_codes"].abs().max() > 100 and states[i]["v_codes"].max() > 200  # codes in use
 
 
+def test_extreme_scales_bit_for_bit_even_with_subnormals_flushed(simd: str) -> None:
+    """Moments past 2^15 (two multiplies per scale), far below float32's normal range (the codes' own subnormals
+    and subnormal moments), and a caller that flushes subnormals to zero: the kernel clears that for its own run."""
+    gen = torch.Generator().manual_seed(5)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    scales = [1e6, 3e4, 1e-16, 1e-18]
+    n = 1000
+    params = [torch.randn(n, generator=gen) for _ in scales]
+    ref = [p.clone() for p in params]
+    states, ref_states = [fresh(n) for _ in scales], [fresh(n) for _ in scales]
+    for step in range(1, 6):
+        grads = [torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4 * k for k in scales]
+        for i in range(len(scales)):
+            ref[i], ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, 0, hyper, 1.0)
+        assert torch.set_flush_denormal(True) or simd == "scalar"  # x86 with SSE3: supported
+        try:
+            kernel_step(params, grads, states, step, [0] * len(scales), hyper, 1.0, simd, threads=1)
+        finally:
+            torch.set_flush_denormal(False)
+    for i in range(len(scales)):
+        assert torch.equal(params[i], ref[i]), scales[i]
+        for key in ref_states[i]:
+            assert torch.equal(states[i][key], ref_states[i][key]), (scales[i], key)
+    assert states[0]["m_scales"].max() - compact.TOP_FIELD_M > 127  # two multiplies on both sides
+    assert states[0]["v_scales"].max() - compact.TOP_FIELD_V > 127
+    v_tiny = compact.decode_exp_avg_sq(states[3]["v_codes"], states[3]["v_scales"])
+    assert ((v_tiny > 0) & (v_tiny < torch.finfo(torch.float32).tiny)).any()  # subnormal moments kept
+
+
 def test_one_step_against_a_float64_reference_of_the_recurrence(simd: str) -> None:
     gen = torch.Generator().manual_seed(4)
     n = 70001
@@ -100,18 +127,17 @@ def test_one_step_against_a_float64_reference_of_the_recurrence(simd: str) -> No
     p_new = p64 * (1 - 1e-3 * 0.01) - 1e-3 / bc1 * m_new / (v_new.sqrt() / math.sqrt(bc2) + 1e-8)
     kernel_step([p], [g], [state], 4, [0], hyper, 1.0, simd)
     torch.testing.assert_close(p.double(), p_new, rtol=1e-6, atol=1e-7)
-    # the stored moments: within one code step of the float64 values (square-root companded)
-    cases = ((compact.decode_exp_avg, "m_codes", "m_scales", m_new, 127),
-             (compact.decode_exp_avg_sq, "v_codes", "v_scales", v_new, 255))  # fmt: skip
+    # the stored moments: one of the two codes around the float64 value (3 mantissa bits: a step is at most an
+    # eighth of the value; below the block's lowest binade the steps are even, 2^(D - 129))
+    cases = ((compact.decode_exp_avg, "m_codes", "m_scales", m_new, compact.TOP_FIELD_M),
+             (compact.decode_exp_avg_sq, "v_codes", "v_scales", v_new, compact.TOP_FIELD_V))  # fmt: skip
     for decode, codes, scales, exact, top in cases:
         stored = decode(state[codes], state[scales]).double()
-        scale = compact._per_element(compact._block_max(exact.abs().float()), n).double()
-        if top == 255:  # v's codes are in the square root's square root
-            t_exact, t_stored = (exact / scale).sqrt().sqrt(), (stored / scale).sqrt().sqrt()
-        else:
-            t_exact, t_stored = (exact.abs() / scale).sqrt(), (stored.abs() / scale).sqrt()
-        assert ((t_exact - t_stored).abs() <= 1.0 / top + 1e-6).all()
-        assert (stored == 0).float().mean() < 0.01  # companding: almost nothing rounds to zero
+        d = compact._d(state[scales], n, top).double()
+        step = torch.maximum(exact.abs() / 8, 2.0 ** (d - 129))
+        assert ((stored - exact).abs() <= step * (1 + 1e-6)).all()
+        assert ((stored - exact).abs() > 1e-3 * step).float().mean() > 0.9  # rounded: not an exact copy
+        assert (stored == 0).float().mean() < 0.001  # the range keeps codes for small values
 
 
 def test_moments_decay_without_stalling_or_bias(simd: str) -> None:
@@ -143,7 +169,12 @@ def test_bad_arguments_are_refused_before_anything_is_written() -> None:
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
     cases = [
         ({**state, "m_codes": torch.zeros(300, dtype=torch.uint8)}, TypeError, r"exp_avg_codes\[0\] has dtype Byte"),
-        ({**state, "v_scales": torch.zeros(1)}, ValueError, r"exp_avg_sq_scales\[0\] has 1 elements; expected 2"),
+        ({**state, "v_scales": torch.zeros(2)}, TypeError, r"exp_avg_sq_scales\[0\] has dtype Float; expected Byte"),
+        (
+            {**state, "v_scales": torch.zeros(1, dtype=torch.uint8)},
+            ValueError,
+            r"exp_avg_sq_scales\[0\] has 1 elements; expected 2",
+        ),
         ({**state, "v_codes": torch.zeros(299, dtype=torch.uint8)}, ValueError, r"exp_avg_sq_codes\[0\] has 299"),
     ]
     for bad, error, message in cases:

@@ -1,23 +1,30 @@
 """8-bit moments (``state_precision="int8"``): the layout the kernel keeps, decoded and encoded in torch.
 
-Per block of ``BLOCK`` elements of a tensor (the last one may be short):
+Per block of ``BLOCK`` elements of a tensor (the last one may be short), each
+moment has one byte of scale: the float32 exponent field ``F`` of a power of
+two, chosen from the block's largest magnitude so that it stays within the
+top code. Each element has one byte of code: a small floating-point number
+relative to that scale, with 3 mantissa bits.
 
-- ``exp_avg``: int8 codes ``c`` and one float32 scale ``s``, the block's
-  largest ``|m|``; ``m = s * t * |t|`` with ``t = c / 127``.
-- ``exp_avg_sq``: uint8 codes and one float32 scale ``w``, the square root of
-  the block's largest ``v``; ``v = (w * t * t)^2`` with ``t = c / 255``.
+- ``exp_avg``: int8, a sign and 7 bits of magnitude ``a`` (4 exponent bits:
+  15 binades, down to 2^-14 of the block's top binade).
+- ``exp_avg_sq``: uint8, 8 bits of magnitude (5 exponent bits: 31 binades,
+  down to 2^-30). The wide range matters more here than the precision: a
+  ``v`` rounded to zero beside a large one in its block would blow its
+  element's update up.
 
-Square-root companding keeps codes for values far below the block's largest
-(a linear code would round them to zero, and a zero ``v`` under a nonzero
-``m`` would blow the update up). The kernel rounds stochastically, to the
-grid value below or above with the probabilities that make the decoded
-value right on average (rounding the code itself up with probability
-``frac(code)`` would not: the grid is curved, and the bias compounds), with
-noise hashed from the element's index and the step. So a moment that moves
-by less than a code step per step still moves on average (``exp_avg_sq``
-moves by ``1 - beta2 = 0.001`` of itself per step, far below a code step). Host state:
-4 (float32 master) + 1 + 1 bytes per element, plus 8 bytes per block.
-Everything here mirrors csrc/adam_q8.h operation by operation, in float32.
+A magnitude shifted left by 20 is the bit pattern of a float32 near the
+bottom of float32's range (its exponent field is the code's; the evenly
+spaced codes below the lowest binade are float32 subnormals). Decoding
+multiplies it by ``2^D``, ``D = F - top field`` (15 or 31, at least 0);
+encoding multiplies by ``2^-D``, adds random bits below the kept mantissa and
+shifts right: stochastic rounding that is right on average, so a moment that
+moves by less than a code step per step still moves on average
+(``exp_avg_sq`` moves by ``1 - beta2 = 0.001`` of itself per step, far below
+a code step). The noise is a hash of the element's index and the step. No
+square root or division, so the kernel stays close to memory-bound. Host
+state: 4 (float32 master) + 1 + 1 bytes per element, plus 2 bytes per block.
+Everything here mirrors csrc/adam_q8.h operation by operation.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from __future__ import annotations
 import torch
 
 BLOCK = 256  # csrc/adam_span.h kQ8Block
+TOP_FIELD_M, TOP_FIELD_V = 15, 31  # exponent bits: 4 for exp_avg, 5 for exp_avg_sq
 _M32 = 0xFFFFFFFF
-_SALT_M, _SALT_V = 0x2545F491, 0x9B97A4D3
+_SALT = 0x2545F491
 _F32 = torch.float32
 
 
@@ -56,38 +64,52 @@ def blocks(numel: int) -> int:
 def fresh(n: int) -> list[torch.Tensor]:
     """Fresh 8-bit moments of n elements, as the kernel takes them: exp_avg codes and scales, exp_avg_sq codes
     and scales (all zero: both moments zero)."""
-    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks(n)), torch.zeros(n, dtype=torch.uint8),
-            torch.zeros(blocks(n))]  # fmt: skip
+    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks(n), dtype=torch.uint8),
+            torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks(n), dtype=torch.uint8)]  # fmt: skip
 
 
-def _per_element(scales: torch.Tensor, numel: int) -> torch.Tensor:
-    return scales.repeat_interleave(BLOCK)[:numel]
+def _per_element(per_block: torch.Tensor, numel: int) -> torch.Tensor:
+    return per_block.repeat_interleave(BLOCK)[:numel]
+
+
+def _pow2(field: torch.Tensor | int) -> torch.Tensor:
+    """2^(field - 127) in float32, for exponent fields in [1, 254]."""
+    return (torch.as_tensor(field, dtype=torch.int64) << 23).to(torch.int32).view(_F32)
+
+
+def _d(scales: torch.Tensor, numel: int, top: int) -> torch.Tensor:
+    return torch.clamp(_per_element(scales.to(torch.int64), numel) - top, min=0)
+
+
+def _decode(a: torch.Tensor, sign: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """csrc/adam_q8.h q8_decode: magnitudes a (int64) with sign bits, blocks' D per element."""
+    x = ((a << 20) | sign).to(torch.int32).view(_F32)
+    wide = d > 127
+    x = x * _pow2(torch.where(wide, d, d + 127))  # d > 127: 2^(d - 127), then 2^127
+    return torch.where(wide, x * _pow2(254), x)
 
 
 def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    t = codes.to(_F32) * torch.tensor(1.0 / 127.0, dtype=_F32)
-    return _per_element(scales, codes.numel()) * (t * t.abs())
+    c = codes.to(torch.int64)
+    return _decode(c.abs(), (c < 0).to(torch.int64) << 31, _d(scales, c.numel(), TOP_FIELD_M))
 
 
 def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    t = codes.to(_F32) * torch.tensor(1.0 / 255.0, dtype=_F32)
-    w = _per_element(scales, codes.numel()) * (t * t)
-    return w * w
+    return _decode(codes.to(torch.int64), torch.zeros((), dtype=torch.int64), _d(scales, codes.numel(), TOP_FIELD_V))
 
 
-def uniform(index: torch.Tensor, key: int) -> torch.Tensor:
-    """The kernel's rounding noise (lowbias32 of index * golden ratio + key, top 24 bits), for int64 indices."""
-    x = (index * 0x9E3779B1 + key) & _M32
+def hash32(index: torch.Tensor, key: int) -> torch.Tensor:
+    """The kernel's rounding noise: lowbias32 (Wellons) of index + key, for int64 indices."""
+    x = (index + key) & _M32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
     x ^= x >> 15
     x = (x * 0x846CA68B) & _M32
-    x ^= x >> 16
-    return (x >> 8).to(_F32) * torch.tensor(2.0**-24, dtype=_F32)
+    return x ^ (x >> 16)
 
 
-def key(step: int, salt: int) -> int:
-    return ((step * 0x85EBCA77) & _M32) ^ salt
+def key(step: int) -> int:
+    return ((step * 0x85EBCA77) & _M32) ^ _SALT
 
 
 def _block_max(x: torch.Tensor) -> torch.Tensor:
@@ -97,42 +119,36 @@ def _block_max(x: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK).amax(dim=1)
 
 
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, 1.0), torch.zeros((), dtype=_F32))
+def _field(largest: torch.Tensor, top: int) -> torch.Tensor:
+    """csrc/adam_q8.h q8_field: each block's exponent field, one higher where its largest value would round above
+    the top code."""
+    f = ((largest.view(torch.int32).to(torch.int64) & _M32) + (1 << 20)) >> 23
+    return torch.clamp(f, min=top, max=254).to(torch.uint8)
 
 
-def _code(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, top: float, fourth: bool) -> torch.Tensor:
-    """csrc/adam_q8.h q8_code: floor(y) or floor(y) + 1 on the grid (c / top)^2 (^4 if `fourth`), up with the
-    probability that makes the decoded value right on average."""
-    f = lambda v: torch.tensor(v, dtype=_F32)  # noqa: E731
-    lo = torch.clamp(y.floor(), max=top - 1.0)
-
-    def grid(c: torch.Tensor) -> torch.Tensor:
-        t = c * f(1.0 / top)
-        t2 = t * t
-        return t2 * t2 if fourth else t2
-
-    below = grid(lo)
-    p = torch.clamp((x - below) / (grid(lo + f(1.0)) - below), 0.0, 1.0)
-    return torch.clamp(lo + (p + u).floor(), max=top)
+def _encode(x: torch.Tensor, noise: torch.Tensor, d: torch.Tensor, top_code: int) -> torch.Tensor:
+    """csrc/adam_q8.h q8_encode: magnitudes x >= 0 to codes; noise: 16 random bits per element."""
+    wide = d > 126
+    y = x * _pow2(torch.where(wide, 253 - d, 127 - d))  # d > 126: 2^-(d - 126), then 2^-126
+    y = torch.where(wide, y * _pow2(1), y)
+    r = (noise << 4) | 8
+    return torch.clamp(((y.view(torch.int32).to(torch.int64) & _M32) + r) >> 20, max=top_code)
 
 
-def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """(exp_avg codes, scales, exp_avg_sq codes, scales) of float32 moments; `noise` (per element, in [0, 1)):
-    the stochastic rounding's, else 0.5 (to the nearest grid value, as a load does)."""
+def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor | None = None):
+    """(exp_avg codes, scales, exp_avg_sq codes, scales) of float32 moments; `noise`: the stochastic rounding's 32
+    random bits per element (the kernel's: :func:`kernel_noise`), else to the nearest code (as a load does)."""
     m, v = exp_avg.reshape(-1).to(_F32), exp_avg_sq.reshape(-1).to(_F32)
     n = m.numel()
-    u_m, u_v = noise if noise is not None else (torch.full((n,), 0.5), torch.full((n,), 0.5))
-    scale_m = _block_max(m.abs())
-    scale_w = sqrt32(_block_max(v))
-    xm = m.abs() * _per_element(_inverse(scale_m), n)
-    codes_m = torch.copysign(_code(xm, torch.tensor(127.0, dtype=_F32) * sqrt32(xm), u_m, 127.0, False), m)
-    a = sqrt32(v) * _per_element(_inverse(scale_w), n)
-    codes_v = _code(a * a, torch.tensor(255.0, dtype=_F32) * sqrt32(a), u_v, 255.0, True)
-    return codes_m.to(torch.int8), scale_m, codes_v.to(torch.uint8), scale_w
+    h = noise if noise is not None else torch.full((n,), 0x80008000, dtype=torch.int64)
+    scale_m, scale_v = _field(_block_max(m.abs()), TOP_FIELD_M), _field(_block_max(v), TOP_FIELD_V)
+    a = _encode(m.abs(), h & 0xFFFF, _d(scale_m, n, TOP_FIELD_M), 127)
+    codes_m = torch.where(torch.signbit(m), -a, a)
+    codes_v = _encode(v, h >> 16, _d(scale_v, n, TOP_FIELD_V), 255)
+    return codes_m.to(torch.int8), scale_m, codes_v.to(torch.uint8), scale_v
 
 
-def kernel_noise(index_base: int, numel: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_noise(index_base: int, numel: int, step: int) -> torch.Tensor:
     """The noise the kernel rounds a tensor's moments with at `step` (index_base: its first element's index)."""
     index = (torch.arange(numel, dtype=torch.int64) + index_base) & _M32
-    return uniform(index, key(step, _SALT_M)), uniform(index, key(step, _SALT_V))
+    return hash32(index, key(step))

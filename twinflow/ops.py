@@ -329,6 +329,10 @@ def _register_fakes() -> None:
     def _q8_fake(*args, **kwargs) -> None:
         return None
 
+    @torch.library.register_fake("twinflow::bandwidth_probe_q8_")
+    def _q8_probe_fake(*args, **kwargs) -> None:
+        return None
+
 
 def q8_block_size() -> int:
     """Elements per block of the 8-bit moments (one scale each)."""
@@ -361,14 +365,13 @@ def adam_step_q8_(
     """:func:`adam_step_` with 8-bit moments (``state_precision="int8"``), in place.
 
     Per block of :func:`q8_block_size` elements of each tensor: ``exp_avg``
-    as int8 codes with one float32 scale (the block's largest magnitude),
-    ``exp_avg_sq`` as uint8 codes with one scale (the square root of the
-    block's largest value), both square-root companded and stochastically
+    as int8 codes and ``exp_avg_sq`` as uint8 codes, small floats relative to
+    one power-of-two scale per block (a uint8 exponent field), stochastically
     rounded (the noise is a hash of the element's index, ``index_bases[i]`` +
     position, and the step: the same on every path and thread split). The
     weight update uses the new moments in float32; they are then encoded.
-    Fresh state: codes and scales zero. :mod:`twinflow.compact` decodes and
-    encodes them.
+    Fresh state: codes and scales zero. :mod:`twinflow.compact` has the
+    format, and decodes and encodes it.
     """
     if len(params) == 0:
         return
@@ -384,4 +387,29 @@ def adam_step_q8_(
         [int(s) for s in steps],
         [int(b) for b in index_bases] if index_bases is not None else [0] * len(params),
         *_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd),
+    )
+
+
+def bandwidth_probe_q8_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avg_codes: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor],
+    exp_avg_sq_codes: Sequence[torch.Tensor],
+    exp_avg_sq_scales: Sequence[torch.Tensor],
+    *,
+    out_copies: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+    simd: str | None = None,
+) -> None:
+    """Moves the same bytes as :func:`adam_step_q8_` with trivial arithmetic: the memory ceiling of the 8-bit
+    mode's access pattern on this host. It overwrites its arguments with meaningless values."""
+    if len(params) == 0:
+        return
+    load()
+    state = (exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales)
+    torch.ops.twinflow.bandwidth_probe_q8_(
+        *(list(ts) for ts in (params, grads, *state, out_copies or [])),
+        int(num_threads) if num_threads else default_num_threads(),
+        resolve_simd(simd),
     )
