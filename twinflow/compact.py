@@ -21,10 +21,13 @@ encoding multiplies by ``2^-D``, adds random bits below the kept mantissa and
 shifts right: stochastic rounding that is right on average, so a moment that
 moves by less than a code step per step still moves on average
 (``exp_avg_sq`` moves by ``1 - beta2 = 0.001`` of itself per step, far below
-a code step). The noise is a hash of the element's index and the step. No
-square root or division, so the kernel stays close to memory-bound. Host
+a code step). The noise is a hash of the element's index and the step. Host
 state: 4 (float32 master) + 1 + 1 bytes per element, plus 2 bytes per block.
-Everything here mirrors csrc/adam_q8.h operation by operation.
+
+This is the definition, written the short way. The kernel (csrc/adam_q8.h)
+gets the same bits without a multiply, working on bit patterns so that no
+subnormal appears on the way (on x86 those take slow microcode assists), and
+matches this bit for bit (tests/test_compact_kernel.py).
 """
 
 from __future__ import annotations
