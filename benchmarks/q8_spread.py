@@ -7,10 +7,10 @@ largest, so the bottom of the codes' range is seldom used. A trained model's
 blocks hold moments many binades apart (outlier features, rows that see few
 tokens); `spread` gradients imitate that with magnitudes spread evenly over
 2^-16..1 (log scale), which puts about one exp_avg in six in the codes' bottom
-binade (94% of 16-lane vectors hold one). Each case steps the same tensors repeatedly, so its moments settle to
-its gradients' spread. Uses only the public op and twinflow.compact.fresh, so
-one copy of this file times any version of the kernel (for A/B runs). Writes
-JSON.
+binade (94% of 16-lane vectors hold one). Each case steps the same tensors
+repeatedly, so its moments settle to its gradients' spread. Uses only the
+public op and twinflow.compact.fresh, so one copy of this file times any
+version of the kernel (for A/B runs). Writes JSON.
 """
 
 import argparse
