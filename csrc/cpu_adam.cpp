@@ -159,25 +159,23 @@ AdamConsts make_consts(int64_t step, double lr, double beta1, double beta2, doub
   return c;
 }
 
-// Runs `body` over all elements of all spans in one parallel region. Each
-// thread takes one contiguous slice of the concatenated element range (cache
-// line aligned), so memory streams sequentially and small tensors cost no
-// extra fork/join.
-void run_parallel(const std::vector<AdamSpan>& spans, int64_t num_threads, int64_t simd, Body body) {
-  std::vector<int64_t> offsets(spans.size() + 1, 0);
-  for (size_t i = 0; i < spans.size(); ++i) offsets[i + 1] = offsets[i] + spans[i].numel;
+// Splits the concatenation of several ranges (range s is [offsets[s], offsets[s + 1])) into one contiguous slice
+// per thread, each bound a multiple of `align` (the last thread takes the rest), and runs `run(s, begin, end)` on
+// the parts of each slice, in one parallel region: memory streams sequentially and small ranges cost no extra
+// fork/join. At most one thread per `min_per_thread` units.
+template <class Run>
+void run_slices(const std::vector<int64_t>& offsets, int64_t num_threads, int64_t min_per_thread, int64_t align,
+                const Run& run) {
   const int64_t total = offsets.back();
   if (total == 0) return;
-  constexpr int64_t kMinPerThread = 1 << 15;  // below this, threads cost more than they save
-  constexpr int64_t kAlign = 64;               // elements: whole cache lines for fp32 and 16-bit data
-  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, (total + kMinPerThread - 1) / kMinPerThread));
-  const RunSpanFn run = kernel_for(simd);
+  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int64_t threads = std::max<int64_t>(1, std::min(wanted, (total + min_per_thread - 1) / min_per_thread));
 
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
     const int64_t t = omp_get_thread_num();
     const int64_t nt = omp_get_num_threads();
-    auto bound = [&](int64_t k) { return std::min(total, (total * k / nt + kAlign - 1) / kAlign * kAlign); };
+    auto bound = [&](int64_t k) { return std::min(total, (total * k / nt + align - 1) / align * align); };
     const int64_t lo = bound(t);
     const int64_t hi = t + 1 == nt ? total : bound(t + 1);
     if (lo < hi) {
@@ -185,11 +183,21 @@ void run_parallel(const std::vector<AdamSpan>& spans, int64_t num_threads, int64
       for (int64_t pos = lo; pos < hi; ++s) {
         const int64_t begin = pos - offsets[s];
         const int64_t end = std::min(hi, offsets[s + 1]) - offsets[s];
-        if (end > begin) run(spans[s], begin, end, body);
+        if (end > begin) run(s, begin, end);
         pos = offsets[s] + end;
       }
     }
   }
+}
+
+std::vector<AdamConsts> consts_for(at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
+                                   double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale) {
+  std::vector<AdamConsts> consts;
+  consts.reserve(steps.size());
+  for (const int64_t step : steps) {
+    consts.push_back(make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale));
+  }
+  return consts;
 }
 
 void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -200,14 +208,11 @@ void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList 
              simd);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
-  std::vector<AdamConsts> consts;
-  consts.reserve(n);
+  const std::vector<AdamConsts> consts =
+      consts_for(steps, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
   std::vector<AdamSpan> spans;
   spans.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    consts.push_back(
-        make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale));
-  }
+  std::vector<int64_t> offsets(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
     const bool has_out = !out_copies.empty();
     const bool apart = !sources.empty();
@@ -219,8 +224,13 @@ void adam_step_impl(at::TensorList params, at::TensorList grads, at::TensorList 
                              apart ? sources[2 * n + i].data_ptr<float>() : v,
                              has_out ? out_copies[i].data_ptr() : nullptr, params[i].numel(), dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone,
                              &consts[i]});
+    offsets[i + 1] = offsets[i] + params[i].numel();
   }
-  run_parallel(spans, num_threads > 0 ? num_threads : omp_get_max_threads(), simd, body);
+  constexpr int64_t kMinPerThread = 1 << 15;  // elements: below this, threads cost more than they save
+  constexpr int64_t kAlign = 64;               // elements: whole cache lines for fp32 and 16-bit data
+  const RunSpanFn run = kernel_for(simd);
+  run_slices(offsets, num_threads, kMinPerThread, kAlign,
+             [&](size_t s, int64_t begin, int64_t end) { run(spans[s], begin, end, body); });
 }
 
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -245,9 +255,8 @@ int64_t cpu_simd_level() { return best_simd(); }
 int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
 
 // Every 8-bit argument is checked before anything is written (the float32 path's rules for the rest).
-void check_q8_args(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
-                   at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
-                   at::IntArrayRef index_bases) {
+void check_q8_args(at::TensorList params, at::TensorList m_codes, at::TensorList m_scales, at::TensorList v_codes,
+                   at::TensorList v_scales, at::IntArrayRef index_bases) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(m_codes.size() == n && m_scales.size() == n && v_codes.size() == n && v_scales.size() == n &&
                         index_bases.size() == n,
@@ -288,15 +297,11 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
   // The float32 path's checks of params, grads, out copies, steps and hyper-parameters (params stand in for the
   // moments there); then the 8-bit state's.
   check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd);
-  check_q8_args(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, index_bases);
+  check_q8_args(params, m_codes, m_scales, v_codes, v_scales, index_bases);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_q8_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
-  std::vector<AdamConsts> consts;
-  consts.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    consts.push_back(
-        make_consts(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale));
-  }
+  const std::vector<AdamConsts> consts =
+      consts_for(steps, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
   std::vector<Q8Span> spans;
   std::vector<int64_t> first_block(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
@@ -308,28 +313,11 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
                            dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i], body});
     first_block[i + 1] = first_block[i] + q8_blocks(params[i].numel());
   }
-  const int64_t total = first_block.back();
-  if (total == 0) return;
-  constexpr int64_t kMinBlocksPerThread = (1 << 15) / kQ8Block;
-  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int64_t threads = std::max<int64_t>(1, std::min(wanted, (total + kMinBlocksPerThread - 1) / kMinBlocksPerThread));
-  const RunQ8Fn run = q8_kernel_for(simd);
   // Whole blocks per thread: a block's scale is written by the one thread that encodes it.
-#pragma omp parallel num_threads(static_cast<int>(threads))
-  {
-    const int64_t t = omp_get_thread_num();
-    const int64_t nt = omp_get_num_threads();
-    const int64_t lo = total * t / nt;
-    const int64_t hi = total * (t + 1) / nt;
-    if (lo < hi) {
-      size_t s = std::upper_bound(first_block.begin(), first_block.end(), lo) - first_block.begin() - 1;
-      for (int64_t pos = lo; pos < hi; ++s) {
-        const int64_t end = std::min(hi, first_block[s + 1]);
-        if (end > pos) run(spans[s], pos - first_block[s], end - first_block[s]);
-        pos = end;
-      }
-    }
-  }
+  constexpr int64_t kMinBlocksPerThread = (1 << 15) / kQ8Block;
+  const RunQ8Fn run = q8_kernel_for(simd);
+  run_slices(first_block, num_threads, kMinBlocksPerThread, 1,
+             [&](size_t s, int64_t begin, int64_t end) { run(spans[s], begin, end); });
 }
 
 void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,

@@ -38,8 +38,6 @@ struct VecAvx2 {
   static ireg iset1(int32_t x) { return _mm256_set1_epi32(x); }
   static ireg bits(reg a) { return _mm256_castps_si256(a); }
   static reg from_bits(ireg a) { return _mm256_castsi256_ps(a); }
-  static reg to_float(ireg a) { return _mm256_cvtepi32_ps(a); }
-  static ireg trunc(reg a) { return _mm256_cvttps_epi32(a); }
   static ireg iadd(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
   static ireg isub(ireg a, ireg b) { return _mm256_sub_epi32(a, b); }
   static ireg iand(ireg a, ireg b) { return _mm256_and_si256(a, b); }

@@ -33,8 +33,6 @@ struct VecAvx512 {
   static ireg iset1(int32_t x) { return _mm512_set1_epi32(x); }
   static ireg bits(reg a) { return _mm512_castps_si512(a); }
   static reg from_bits(ireg a) { return _mm512_castsi512_ps(a); }
-  static reg to_float(ireg a) { return _mm512_cvtepi32_ps(a); }
-  static ireg trunc(reg a) { return _mm512_cvttps_epi32(a); }
   static ireg iadd(ireg a, ireg b) { return _mm512_add_epi32(a, b); }
   static ireg isub(ireg a, ireg b) { return _mm512_sub_epi32(a, b); }
   static ireg iand(ireg a, ireg b) { return _mm512_and_si512(a, b); }

@@ -67,10 +67,6 @@ struct VecScalarOf {
   static ireg iset1(int32_t x) { return x; }
   static ireg bits(reg a) { return static_cast<int32_t>(bits_of(a)); }
   static reg from_bits(ireg a) { return float_of(static_cast<uint32_t>(a)); }
-  static reg to_float(ireg a) { return static_cast<float>(a); }
-  static ireg trunc(reg a) {  // as cvttps2dq: out of range (or NaN) gives INT32_MIN
-    return a > -2147483904.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
-  }
   static ireg iadd(ireg a, ireg b) { return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
   static ireg isub(ireg a, ireg b) { return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)); }
   static ireg iand(ireg a, ireg b) { return a & b; }

@@ -35,8 +35,7 @@ def test_cpu_side_steps_are_the_kernels_bit_for_bit() -> None:
     model, direct = make(), make()
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, state_precision="int8", weight_decay=0.1)
     params = list(direct.parameters())
-    fresh = compact.fresh
-    state = [fresh(p.numel()) for p in params]
+    state = [compact.fresh(p.numel()) for p in params]
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 6):
         x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)

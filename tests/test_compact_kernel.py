@@ -81,8 +81,9 @@ def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: 
 
 
 def test_extreme_scales_bit_for_bit_even_with_subnormals_flushed(simd: str) -> None:
-    """Moments past 2^15 (two multiplies per scale), far below float32's normal range (the codes' own subnormals
-    and subnormal moments), and a caller that flushes subnormals to zero: the kernel clears that for its own run."""
+    """Block scales more than 2^127 above a code's bottom (past one float32 power of two), moments far below
+    float32's normal range (the codes' bottom binade as subnormals, and subnormal moments), and a caller that
+    flushes subnormals to zero: the kernel clears that for its own run."""
     gen = torch.Generator().manual_seed(5)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
     scales = [1e6, 3e4, 1e-16, 1e-18]
@@ -103,7 +104,7 @@ def test_extreme_scales_bit_for_bit_even_with_subnormals_flushed(simd: str) -> N
         assert torch.equal(params[i], ref[i]), scales[i]
         for key in ref_states[i]:
             assert torch.equal(states[i][key], ref_states[i][key]), (scales[i], key)
-    assert states[0]["m_scales"].max() - compact.TOP_FIELD_M > 127  # two multiplies on both sides
+    assert states[0]["m_scales"].max() - compact.TOP_FIELD_M > 127  # D past one float32 power of two
     assert states[0]["v_scales"].max() - compact.TOP_FIELD_V > 127
     v_tiny = compact.decode_exp_avg_sq(states[3]["v_codes"], states[3]["v_scales"])
     assert ((v_tiny > 0) & (v_tiny < torch.finfo(torch.float32).tiny)).any()  # subnormal moments kept
