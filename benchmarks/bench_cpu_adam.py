@@ -13,7 +13,8 @@ scale per 256 elements each) moves 16 bytes per parameter (bf16 gradient and
 weight copy); its % of the ceiling is against its own probe (the same loads
 and stores, trivial arithmetic). It is timed twice: on plain random moments,
 and on moments spread over the codes' whole range, as a trained model's are
-(benchmarks/q8_spread.py).
+(benchmarks/q8_spread.py). "int8_m24" (the same moments, 24-bit masters)
+moves 12 bytes per parameter, and is timed the same three ways.
 Writes JSON (and a PNG of the sweep when matplotlib is present).
 """
 
@@ -29,6 +30,7 @@ from twinflow import ops  # noqa: E402
 
 BYTES_PER_PARAM = 28
 Q8_BYTES_PER_PARAM = 8 + 2 + 2 + 2 + 2 * 2 / 256  # master r/w, codes r/w, gradient, copy, scales r/w
+M24_BYTES_PER_PARAM = Q8_BYTES_PER_PARAM - 2  # a 24-bit master read and written
 
 
 def fp32_set(n: int, gen: torch.Generator) -> dict:
@@ -62,25 +64,30 @@ def twinflow_fn(s: dict, threads: int, out: torch.Tensor | None = None, probe: b
     return run
 
 
-def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor, probe: bool = False, spread: float = 0.0):
+def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor, probe: bool = False, spread: float = 0.0,
+          m24: bool = False):  # fmt: skip
     """`spread`: gradient magnitudes spread over 2^-spread..1, so that moments fill the codes' whole range
-    (benchmarks/q8_spread.py)."""
+    (benchmarks/q8_spread.py); `m24`: 24-bit masters."""
     from benchmarks.q8_spread import spread_grad
     from twinflow import compact
 
     p = torch.randn(n, generator=gen)
     g = spread_grad(n, gen, spread) if spread else torch.randn(n, generator=gen).bfloat16()
     state = compact.fresh(n)
+    extra = {}
+    if m24:
+        master = compact.Master24.empty(n).copy_(p)
+        p, extra = master.hi, {"master_lows": [master.lo]}
     step = [0]
 
     def run() -> None:
         step[0] += 1
         if probe:
-            ops.bandwidth_probe_q8_([p], [g], *([t] for t in state), out_copies=[out], num_threads=threads)
+            ops.bandwidth_probe_q8_([p], [g], *([t] for t in state), out_copies=[out], num_threads=threads, **extra)
             return
         ops.adam_step_q8_([p], [g], *([t] for t in state), [step[0]], lr=1e-4,
                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out_copies=[out],
-                          num_threads=threads)  # fmt: skip
+                          num_threads=threads, **extra)  # fmt: skip
 
     return run
 
@@ -116,6 +123,8 @@ def copy_bandwidth(n: int, rounds: int) -> float:
 
 
 def bytes_of(system: str) -> float:
+    if "m24" in system:
+        return M24_BYTES_PER_PARAM
     return Q8_BYTES_PER_PARAM if "int8" in system else BYTES_PER_PARAM
 
 
@@ -157,6 +166,9 @@ def main() -> None:
         "twinflow_int8_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out),
         "twinflow_int8_state_spread_moments": q8_fn(n, threads, gen, bf16_out, spread=16.0),
         "probe_int8_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out, probe=True),
+        "twinflow_int8_m24_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out, m24=True),
+        "twinflow_int8_m24_state_spread_moments": q8_fn(n, threads, gen, bf16_out, spread=16.0, m24=True),
+        "probe_int8_m24_state_bf16grad_bf16out": q8_fn(n, threads, gen, bf16_out, probe=True, m24=True),
     }
     if not args.no_deepspeed:
         try:
@@ -185,6 +197,14 @@ def main() -> None:
         / sysr["probe_int8_state_bf16grad_bf16out"]["gb_s"],
         "int8_probe_vs_fp32_probe": sysr["probe_int8_state_bf16grad_bf16out"]["gparam_s"]
         / sysr["probe_bf16grad_bf16out"]["gparam_s"],
+        "int8_m24_state_vs_fp32_state": sysr["twinflow_int8_m24_state_bf16grad_bf16out"]["gparam_s"]
+        / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
+        "int8_m24_spread_moments_vs_fp32_state": sysr["twinflow_int8_m24_state_spread_moments"]["gparam_s"]
+        / sysr["twinflow_bf16grad_bf16out"]["gparam_s"],
+        "int8_m24_state_vs_ceiling": sysr["twinflow_int8_m24_state_bf16grad_bf16out"]["gb_s"]
+        / sysr["probe_int8_m24_state_bf16grad_bf16out"]["gb_s"],
+        "int8_m24_probe_vs_fp32_probe": sysr["probe_int8_m24_state_bf16grad_bf16out"]["gparam_s"]
+        / sysr["probe_bf16grad_bf16out"]["gparam_s"],
     }
     if "deepspeed_cpu_adam_fp32" in sysr:
         checks["fp32_vs_deepspeed"] = sysr["twinflow_fp32"]["gparam_s"] / sysr["deepspeed_cpu_adam_fp32"]["gparam_s"]
@@ -200,6 +220,7 @@ def main() -> None:
                 "twinflow_bf16grad_bf16out": twinflow_fn(bf16_set, t, out=bf16_out),
                 "twinflow_int8_state_bf16grad_bf16out": q8_fn(n, t, gen, bf16_out),
                 "probe_int8_state_bf16grad_bf16out": q8_fn(n, t, gen, bf16_out, probe=True),
+                "twinflow_int8_m24_state_bf16grad_bf16out": q8_fn(n, t, gen, bf16_out, m24=True),
             },
             rounds=max(3, args.rounds // 2),
             warmup=1,

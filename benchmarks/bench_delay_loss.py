@@ -1,15 +1,18 @@
-"""Loss curves of the exact CPU update and an opt-in mode (delayed, or 8-bit moments), the same run otherwise.
+"""Loss curves of the exact CPU update and opt-in modes (delayed, or compact state), the same run otherwise.
 
     python benchmarks/bench_delay_loss.py --model opt-350m --steps 600 [--delay-after 40]
     python benchmarks/bench_delay_loss.py --mode int8 --model opt-350m --steps 1000
     python benchmarks/bench_delay_loss.py --mode int8 --model opt-1.3b --only exact --out a.json  # one run per
     python benchmarks/bench_delay_loss.py --mode int8 --model opt-1.3b --only int8 --out b.json   # call, then
     python benchmarks/bench_delay_loss.py --merge a.json b.json --out both.json                    # one result
+    python benchmarks/bench_delay_loss.py --mode int8_m24 --model opt-1.3b --only int8_m24 --out c.json
+    python benchmarks/bench_delay_loss.py --merge a.json b.json c.json --out all.json  # the three in one plot
 
 Trains the model from random init twice with examples/train_opt.py, on the
 same local text and the same batches: once exact, once with
 ``offload_delay_after`` (the CPU share's update lands one step late), or
-with ``--mode int8`` once with ``offload_state_precision: "int8"``. The
+with ``--mode int8`` (or ``int8_m24``) once with that
+``offload_state_precision``. The
 text is the ``.md``, ``.rst`` and ``.txt`` files of this Python's packages,
 read as UTF-8 bytes (--data names another file). Clipping at 1.0, ratio 0.5,
 placement "last", AdamW with a linear warm-up. Writes JSON (--out, else
@@ -102,19 +105,21 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     runs = result["runs"]
-    other = result.get("mode", "delayed")
-    labels = {"exact": "exact (fp32 moments)", "delayed": "delayed", "int8": "8-bit moments"}
-    for name, color in (("exact", "C0"), (other, "C1")):
-        losses = runs[name]["losses"]
+    others = [name for name in runs if name != "exact"]
+    labels = {"exact": "exact (fp32 state)", "delayed": "delayed", "int8": "8-bit moments",
+              "int8_m24": "8-bit moments, 24-bit masters"}  # fmt: skip
+    exact = smooth(runs["exact"]["losses"], 20)
+    for k, name in enumerate(["exact", *others]):
+        color, losses = f"C{k}", runs[name]["losses"]
         ax.plot(losses, color=color, alpha=0.25, lw=0.8)
         ax.plot(smooth(losses, 20), color=color, label=f"{labels[name]} (20-step mean)")
-    gap = [d - e for d, e in zip(smooth(runs[other]["losses"], 20), smooth(runs["exact"]["losses"], 20))]
-    ax_d.plot(gap, color="C2")
+        if name != "exact":
+            ax_d.plot([d - e for d, e in zip(smooth(losses, 20), exact)], color=color, label=labels[name])
     ax_d.axhline(0.0, color="grey", lw=0.6)
-    if other == "delayed":
+    if "delayed" in others:
         ax.axvline(result["delay_after"], color="grey", ls=":", lw=0.8, label="delay starts")
     ax.set(ylabel="training loss", title=f"{result['model']}, ratio {result['ratio']}, clipping at 1.0")
-    ax_d.set(xlabel="step", ylabel=f"{other} - exact")
+    ax_d.set(xlabel="step", ylabel="minus exact (20-step means)")
     ax.legend()
     for a in (ax, ax_d):
         a.grid(alpha=0.3)
@@ -125,7 +130,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=("delayed", "int8"), default="delayed", help="the run beside the exact one")
+    parser.add_argument("--mode", choices=("delayed", "int8", "int8_m24"), default="delayed",
+                        help="the run beside the exact one")  # fmt: skip
     parser.add_argument("--model", default="opt-350m")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--delay-after", type=int, default=40, help="exact steps before the delay starts")
@@ -139,7 +145,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of this JSON")
     parser.add_argument("--only", default=None, help="train only this run (exact, or the mode's); merge later")
-    parser.add_argument("--merge", nargs=2, default=None, metavar="JSON", help="join two --only results")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join --only results (one exact)")
     args = parser.parse_args()
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
@@ -147,9 +153,11 @@ def main() -> None:
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
         runs = {name: run for part in parts for name, run in part["runs"].items()}
-        if sorted(runs) != sorted(["exact", parts[0]["mode"]]):
-            raise SystemExit(f"--merge: expected the exact run and the {parts[0]['mode']} run; got {sorted(runs)}")
-        finish(args, parts[0] | {"command": [p["command"] for p in parts]}, runs)
+        names = [name for part in parts for name in part["runs"]]
+        if "exact" not in runs or len(runs) < 2 or len(names) != len(runs):
+            raise SystemExit(f"--merge: expected the exact run and one or more others, each once; got {names}")
+        mode = next(part["mode"] for part in parts if part["mode"] in runs)
+        finish(args, parts[0] | {"mode": mode, "command": [p["command"] for p in parts]}, runs)
         return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -160,7 +168,7 @@ def main() -> None:
             runs["exact"] = train(args, data, None, tmp)
         if args.only in (None, args.mode):
             runs[args.mode] = (train(args, data, args.delay_after, tmp) if args.mode == "delayed"
-                               else train(args, data, None, tmp, precision="int8"))  # fmt: skip
+                               else train(args, data, None, tmp, precision=args.mode))  # fmt: skip
     result = {
         "mode": args.mode, "model": args.model, "steps": args.steps, "delay_after": args.delay_after,
         "ratio": args.ratio, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "lr": args.lr,
@@ -172,16 +180,15 @@ def main() -> None:
 def finish(args, result: dict, runs: dict) -> None:
     """Writes the result (the tail means when both runs are there) and the plot."""
     result = {**result, "runs": runs}
-    if len(runs) == 2:
-        exact, other = runs["exact"]["losses"], runs[result["mode"]]["losses"]
-        tail = max(1, len(exact) // 10)
-        result[f"mean_loss_last_{tail}_steps"] = {"exact": sum(exact[-tail:]) / tail,
-                                                  result["mode"]: sum(other[-tail:]) / tail}  # fmt: skip
+    if "exact" in runs and len(runs) >= 2:
+        tail = max(1, len(runs["exact"]["losses"]) // 10)
+        result[f"mean_loss_last_{tail}_steps"] = {name: sum(run["losses"][-tail:]) / tail
+                                                  for name, run in runs.items()}  # fmt: skip
     args.mode, args.model = result["mode"], result["model"]
     prefix = "delay_loss" if args.mode == "delayed" else "state_loss"
     out = write_json(result, f"{prefix}_{args.model}.json", args.out)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "machine")}, indent=2))
-    if len(runs) == 2:
+    if "exact" in runs and len(runs) >= 2:
         plot(result, out.with_suffix(".png"))
 
 

@@ -33,6 +33,13 @@
 // update stays bounded). Each call clears flush-to-zero and
 // denormals-are-zero for its own thread while it runs, so that those rare
 // blocks, and Adam's own arithmetic, round as the reference does.
+//
+// 24-bit masters (state_precision "int8_m24", Q8Span::master_lo set): the
+// master is a float32's top 24 bits, kept as its top 16 (a bfloat16) and the
+// next 8. Pass 1 keeps the new master in a block buffer; pass 2 adds the low
+// 8 bits of the element's hash to its bit pattern and cuts the low 8 bits
+// (stochastic rounding of the magnitude, unbiased in value), and writes the
+// weight copy from the rounded master.
 #pragma once
 
 constexpr int32_t kQ8MantShift = 20;       // float32 mantissa bits below the 3 a code keeps
@@ -85,14 +92,31 @@ inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg noise, con
   return V::imin(V::template srl<kQ8MantShift>(V::iadd(y, r)), V::iset1(top_code));
 }
 
-template <class V, class G, class O>
+// A 24-bit master (state_precision "int8_m24"): the float32 whose top 24 bits are hi (16) and lo (8), the rest 0.
+template <class V>
+inline typename V::reg m24_decode(const Q8Span& s, int64_t i) {
+  return V::from_bits(V::ior(V::template sll<16>(V::load(s.master_hi + i)), V::template sll<8>(V::load(s.master_lo + i))));
+}
+
+// A float32 master to 24 bits, rounded up in magnitude with the probability that keeps it right on average
+// (noise: 8 random bits per lane); stores it and returns its top 24 bits (the pattern shifted right by 8).
+template <class V>
+inline typename V::ireg m24_encode(const Q8Span& s, int64_t i, typename V::reg x, typename V::ireg noise) {
+  const typename V::ireg t = V::template srl<8>(V::iadd(V::bits(x), noise));
+  V::store(s.master_hi + i, V::template srl<8>(t));
+  V::store(s.master_lo + i, V::iand(t, V::iset1(0xFF)));
+  return t;
+}
+
+// Pass 1 over a block: decode, step, keep the new moments (and, with 24-bit masters, the new master: it is
+// rounded with the same per-element hash in pass 2) in block buffers while tracking the largest.
+template <class V, class G, class O, bool kM24>
 inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
-                           float* mbuf, float* vbuf, typename V::reg& max_m, typename V::reg& max_v) {
+                           float* mbuf, float* vbuf, float* pbuf, typename V::reg& max_m, typename V::reg& max_v) {
   using reg = typename V::reg;
   using ireg = typename V::ireg;
-  float* p = s.param + i;
   reg grad = V::load(static_cast<const G*>(s.grad) + i);
-  reg param = V::load(p);
+  reg param = kM24 ? m24_decode<V>(s, i) : V::load(s.param + i);
   const ireg cm = V::load(s.m_codes + i);
   const reg m = q8_decode<V>(V::iabs(cm), V::iand(cm, V::iset1(INT32_MIN)), km);
   const reg v = q8_decode<V>(V::load(s.v_codes + i), V::iset1(0), kv);
@@ -103,9 +127,13 @@ inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, cons
   const reg denom = V::add(V::mul(V::sqrt(v_new), V::set1(c.inv_bc2_sqrt)), V::set1(c.eps));
   param = V::mul(param, V::set1(c.param_scale));
   param = V::sub(param, V::mul(V::set1(c.step_size), V::div(m_new, denom)));
-  V::store(p, param);
-  if constexpr (!std::is_same_v<O, no_out_t>) {
-    V::store(static_cast<O*>(s.out) + i, param);
+  if constexpr (kM24) {
+    V::store(pbuf, param);
+  } else {
+    V::store(s.param + i, param);
+    if constexpr (!std::is_same_v<O, no_out_t>) {
+      V::store(static_cast<O*>(s.out) + i, param);
+    }
   }
   V::store(mbuf, m_new);
   V::store(vbuf, v_new);
@@ -116,12 +144,21 @@ inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, cons
 // Stochastic rounding key: new every step (added to the element's index before the hash).
 inline uint32_t q8_key(uint32_t step) { return step * 0x85EBCA77u ^ kQ8Salt; }
 
-template <class V>
-inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, const Q8Scale& km,
-                           const Q8Scale& kv) {
+// Pass 2: encode the moments against the block's new scales (and round and store a 24-bit master, then its
+// weight copy).
+template <class V, class O, bool kM24>
+inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, const float* pbuf,
+                           const Q8Scale& km, const Q8Scale& kv) {
   using ireg = typename V::ireg;
-  // One hash per element: its low 16 bits round m, its high 16 bits v.
+  // One hash per element: its low 16 bits round m, its high 16 bits v, its low 8 bits a 24-bit master (those
+  // are m's least significant noise bits: a correlation far below anything either rounding can show).
   const ireg h = V::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
+  if constexpr (kM24) {
+    const ireg t = m24_encode<V>(s, i, V::load(pbuf), V::iand(h, V::iset1(0xFF)));
+    if constexpr (!std::is_same_v<O, no_out_t>) {
+      V::store(static_cast<O*>(s.out) + i, V::from_bits(V::template sll<8>(t)));  // the weight is the master's
+    }
+  }
   const typename V::reg m = V::load(mbuf);
   const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
   const ireg sign = V::template sra<31>(V::bits(m));
@@ -129,11 +166,12 @@ inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const 
   V::store(s.v_codes + i, q8_encode<V>(V::load(vbuf), V::template srl<16>(h), kv, 255));
 }
 
-template <class V, class G, class O>
+template <class V, class G, class O, bool kM24>
 void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
   alignas(64) float mbuf[kQ8Block];
   alignas(64) float vbuf[kQ8Block];
+  alignas(64) float pbuf[kM24 ? kQ8Block : 1];
   const AdamConsts c = *s.consts;  // a local copy: the stores below cannot alias it, so it stays in registers
   for (int64_t j = block_begin; j < block_end; ++j) {
     const int64_t lo = j * kQ8Block;
@@ -143,20 +181,21 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
     float tmax_m = 0.0f, tmax_v = 0.0f;
     int64_t i = 0;
     for (; i + V::kWidth <= n; i += V::kWidth) {
-      q8_decode_step<V, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, vmax_m, vmax_v);
+      q8_decode_step<V, G, O, kM24>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), vmax_m, vmax_v);
     }
     for (; i < n; ++i) {
-      q8_decode_step<Tail, G, O>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, tmax_m, tmax_v);
+      q8_decode_step<Tail, G, O, kM24>(s, c, lo + i, km, kv, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), tmax_m,
+                                       tmax_v);
     }
     const uint8_t fm = q8_field(std::max(V::hmax(vmax_m), tmax_m), kQ8TopFieldM);
     const uint8_t fv = q8_field(std::max(V::hmax(vmax_v), tmax_v), kQ8TopFieldV);
     km = q8_scale(fm, kQ8TopFieldM);
     kv = q8_scale(fv, kQ8TopFieldV);
     for (i = 0; i + V::kWidth <= n; i += V::kWidth) {
-      q8_encode_both<V>(s, lo + i, mbuf + i, vbuf + i, km, kv);
+      q8_encode_both<V, O, kM24>(s, lo + i, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), km, kv);
     }
     for (; i < n; ++i) {
-      q8_encode_both<Tail>(s, lo + i, mbuf + i, vbuf + i, km, kv);
+      q8_encode_both<Tail, O, kM24>(s, lo + i, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), km, kv);
     }
     s.m_scales[j] = fm;
     s.v_scales[j] = fv;
@@ -168,14 +207,19 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
 
 // The bandwidth probe of this access pattern: the same loads and stores (codes written back as read, scales
 // rewritten), trivial arithmetic.
-template <class V, class G, class O>
+template <class V, class G, class O, bool kM24>
 void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
   const int64_t begin = block_begin * kQ8Block, end = std::min(s.numel, block_end * kQ8Block);
   auto lanes = [&](auto vec, int64_t i) {
     using W = decltype(vec);
-    const typename W::reg x = W::add(W::load(s.param + i), W::load(static_cast<const G*>(s.grad) + i));
-    W::store(s.param + i, x);
+    const typename W::reg master = kM24 ? m24_decode<W>(s, i) : W::load(s.param + i);
+    const typename W::reg x = W::add(master, W::load(static_cast<const G*>(s.grad) + i));
+    if constexpr (kM24) {
+      m24_encode<W>(s, i, x, W::iset1(0));
+    } else {
+      W::store(s.param + i, x);
+    }
     if constexpr (!std::is_same_v<O, no_out_t>) {
       W::store(static_cast<O*>(s.out) + i, x);
     }
@@ -196,8 +240,11 @@ void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
 
 template <class V, class G, class O>
 void q8_body(const Q8Span& s, int64_t begin, int64_t end) {
-  if (s.body == Body::kProbe) return q8_probe_range<V, G, O>(s, begin, end);
-  q8_range<V, G, O>(s, begin, end);
+  const bool m24 = s.master_lo != nullptr;
+  if (s.body == Body::kProbe) {
+    return m24 ? q8_probe_range<V, G, O, true>(s, begin, end) : q8_probe_range<V, G, O, false>(s, begin, end);
+  }
+  m24 ? q8_range<V, G, O, true>(s, begin, end) : q8_range<V, G, O, false>(s, begin, end);
 }
 
 template <class V, class G>

@@ -75,7 +75,7 @@ enum class Body : int32_t { kAdam = 0, kProbe = 1 };
 constexpr int64_t kQ8Block = 256;
 
 struct Q8Span {
-  float* param;
+  float* param;  // nullptr when the master is kept in 24 bits (master_hi, master_lo)
   const void* grad;
   int8_t* m_codes;
   uint8_t* m_scales;  // one per block: the float32 exponent field of its scale
@@ -89,6 +89,10 @@ struct Q8Span {
   Dtype out_dtype;
   const AdamConsts* consts;
   Body body;
+  // state_precision "int8_m24": the float32 master's top 16 bits (a bfloat16) and its next 8, stochastically
+  // rounded to them at every step (adam_q8.h); both nullptr when `param` holds float32 masters.
+  uint16_t* master_hi;
+  uint8_t* master_lo;
 };
 
 // One entry point per instruction set, each in its own translation unit.

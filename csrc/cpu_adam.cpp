@@ -77,7 +77,8 @@ void check_tensor(const at::Tensor& t, const char* list, size_t i, const at::Ten
 // Validates everything before any tensor is touched, so a bad call modifies nothing.
 void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList out_copies, at::TensorList sources, at::IntArrayRef steps, double lr, double beta1,
-                double beta2, double eps, double weight_decay, int64_t simd) {
+                double beta2, double eps, double weight_decay, int64_t simd,
+                at::ScalarType master_dtype = at::kFloat) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
                     "adam_step_: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length; got ", n,
@@ -98,16 +99,19 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
                     " is not supported by this CPU (best is ", best_simd(), ": 0 scalar, 1 avx2, 2 avx512)");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat, "params[", i, "] has dtype ", p.scalar_type(),
-                     "; the kernel updates float32 master weights");
+    TORCH_CHECK_TYPE(p.scalar_type() == master_dtype, "params[", i, "] has dtype ", p.scalar_type(),
+                     master_dtype == at::kFloat
+                         ? "; the kernel updates float32 master weights"
+                         : "; with master_lows the params are 24-bit masters' top 16 bits: bfloat16 tensors");
     check_tensor(p, "params", i, p);
     TORCH_CHECK_TYPE(dtype_of(grads[i]) != Dtype::kNone, "grads[", i, "] has dtype ", grads[i].scalar_type(),
                      "; expected float32, bfloat16 or float16");
     check_tensor(grads[i], "grads", i, p);
-    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == at::kFloat, "exp_avgs[", i, "] has dtype ",
+    // (the 8-bit op passes its params here in their place: their dtype is the masters')
+    TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == master_dtype, "exp_avgs[", i, "] has dtype ",
                      exp_avgs[i].scalar_type(), "; expected float32");
     check_tensor(exp_avgs[i], "exp_avgs", i, p);
-    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == at::kFloat, "exp_avg_sqs[", i, "] has dtype ",
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == master_dtype, "exp_avg_sqs[", i, "] has dtype ",
                      exp_avg_sqs[i].scalar_type(), "; expected float32");
     check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, p);
     TORCH_CHECK_VALUE(steps[i] >= 1, "steps[", i, "] must be >= 1 (the step count after this update), got ",
@@ -256,8 +260,11 @@ int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
 
 // Every 8-bit argument is checked before anything is written (the float32 path's rules for the rest).
 void check_q8_args(at::TensorList params, at::TensorList m_codes, at::TensorList m_scales, at::TensorList v_codes,
-                   at::TensorList v_scales, at::IntArrayRef index_bases) {
+                   at::TensorList v_scales, at::IntArrayRef index_bases, at::TensorList master_lows) {
   const size_t n = params.size();
+  TORCH_CHECK_VALUE(master_lows.empty() || master_lows.size() == n,
+                    "adam_step_q8_: master_lows must be empty (float32 masters) or have one tensor per param (24-bit "
+                    "masters); got ", master_lows.size(), " for ", n, " params");
   TORCH_CHECK_VALUE(m_codes.size() == n && m_scales.size() == n && v_codes.size() == n && v_scales.size() == n &&
                         index_bases.size() == n,
                     "adam_step_q8_: params, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales and "
@@ -286,6 +293,12 @@ void check_q8_args(at::TensorList params, at::TensorList m_codes, at::TensorList
                         " of params[", i, "], which has ", p.numel(), ")");
     }
     TORCH_CHECK_VALUE(index_bases[i] >= 0, "index_bases[", i, "] must be >= 0, got ", index_bases[i]);
+    if (!master_lows.empty()) {
+      const at::Tensor& lo = master_lows[i];
+      TORCH_CHECK_TYPE(lo.scalar_type() == at::kByte, "master_lows[", i, "] has dtype ", lo.scalar_type(),
+                       "; expected Byte (a 24-bit master's low 8 bits)");
+      check_tensor(lo, "master_lows", i, p);
+    }
   }
 }
 
@@ -293,11 +306,13 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies,
                        at::IntArrayRef steps, at::IntArrayRef index_bases, double lr, double beta1, double beta2,
                        double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
-                       int64_t num_threads, int64_t simd, Body body) {
+                       int64_t num_threads, int64_t simd, Body body, at::TensorList master_lows) {
   // The float32 path's checks of params, grads, out copies, steps and hyper-parameters (params stand in for the
   // moments there); then the 8-bit state's.
-  check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd);
-  check_q8_args(params, m_codes, m_scales, v_codes, v_scales, index_bases);
+  const bool m24 = !master_lows.empty();
+  check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd,
+             m24 ? at::kBFloat16 : at::kFloat);
+  check_q8_args(params, m_codes, m_scales, v_codes, v_scales, index_bases, master_lows);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_q8_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
   const std::vector<AdamConsts> consts =
@@ -306,11 +321,13 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
   std::vector<int64_t> first_block(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
     const bool has_out = !out_copies.empty();
-    spans.push_back(Q8Span{params[i].data_ptr<float>(), grads[i].data_ptr(), m_codes[i].data_ptr<int8_t>(),
+    spans.push_back(Q8Span{m24 ? nullptr : params[i].data_ptr<float>(), grads[i].data_ptr(), m_codes[i].data_ptr<int8_t>(),
                            m_scales[i].data_ptr<uint8_t>(), v_codes[i].data_ptr<uint8_t>(),
                            v_scales[i].data_ptr<uint8_t>(), has_out ? out_copies[i].data_ptr() : nullptr,
                            params[i].numel(), static_cast<uint32_t>(index_bases[i]), static_cast<uint32_t>(steps[i]),
-                           dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i], body});
+                           dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i], body,
+                           m24 ? static_cast<uint16_t*>(params[i].data_ptr()) : nullptr,
+                           m24 ? master_lows[i].data_ptr<uint8_t>() : nullptr});
     first_block[i + 1] = first_block[i] + q8_blocks(params[i].numel());
   }
   // Whole blocks per thread: a block's scale is written by the one thread that encodes it.
@@ -323,18 +340,20 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
 void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
                   at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
                   at::IntArrayRef index_bases, double lr, double beta1, double beta2, double eps, double weight_decay,
-                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd) {
+                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd,
+                  at::TensorList master_lows) {
   adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, index_bases, lr, beta1,
-                    beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
+                    beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam,
+                    master_lows);
 }
 
 // The 8-bit mode's memory ceiling: its loads and stores, no Adam arithmetic.
 void bandwidth_probe_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
                         at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies,
-                        int64_t num_threads, int64_t simd) {
+                        int64_t num_threads, int64_t simd, at::TensorList master_lows) {
   std::vector<int64_t> steps(params.size(), 1), bases(params.size(), 0);
   adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, bases, 0.0, 0.0, 0.0, 0.0,
-                    0.0, true, true, 1.0, num_threads, simd, Body::kProbe);
+                    0.0, true, true, 1.0, num_threads, simd, Body::kProbe, master_lows);
 }
 
 }  // namespace
@@ -351,11 +370,11 @@ TORCH_LIBRARY(twinflow, m) {
       "adam_step_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, Tensor(c!)[] exp_avg_scales, "
       "Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] out_copies, int[] steps, "
       "int[] index_bases, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
-      "bool bias_correction, float grad_scale, int num_threads, int simd) -> ()");
+      "bool bias_correction, float grad_scale, int num_threads, int simd, Tensor(g!)[] master_lows) -> ()");
   m.def(
       "bandwidth_probe_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, "
       "Tensor(c!)[] exp_avg_scales, Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, "
-      "Tensor(f!)[] out_copies, int num_threads, int simd) -> ()");
+      "Tensor(f!)[] out_copies, int num_threads, int simd, Tensor(g!)[] master_lows) -> ()");
   m.def("cpu_simd_level() -> int", &cpu_simd_level);
   m.def("q8_block_size() -> int", []() -> int64_t { return kQ8Block; });
 }

@@ -72,6 +72,11 @@ struct VecAvx2 {
     const __m128i w = words(x);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
+  static ireg load(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // lanes in [0, 0xFFFF]: the unsigned saturation keeps them
+  static void store(uint16_t* p, ireg x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
   static ireg hash(uint32_t index, uint32_t key) {
     __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index + key)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));

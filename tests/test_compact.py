@@ -1,4 +1,5 @@
-"""TwinFlowAdam(state_precision="int8"): 8-bit CPU-side moments, through the optimizer, its state dicts and configs."""
+"""TwinFlowAdam(state_precision="int8" / "int8_m24"): 8-bit CPU-side moments (and 24-bit masters), through the
+optimizer, its state dicts and configs."""
 
 import copy
 
@@ -18,8 +19,10 @@ def make(seed: int = 0) -> torch.nn.Module:
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> list[float]:
     gen = torch.Generator().manual_seed(seed)
     losses = []
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
-        loss = F.mse_loss(model(torch.randn(32, 64, generator=gen)), torch.randn(32, 8, generator=gen))
+        x, y = torch.randn(32, 64, generator=gen).to(dtype), torch.randn(32, 8, generator=gen)
+        loss = F.mse_loss(model(x).float(), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -29,13 +32,19 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
     return losses
 
 
-def test_cpu_side_steps_are_the_kernels_bit_for_bit() -> None:
+COMPACT = ["int8", "int8_m24"]
+
+
+@pytest.mark.parametrize("precision", COMPACT)
+def test_cpu_side_steps_are_the_kernels_bit_for_bit(precision: str) -> None:
     """Ratio 1, one chunk: each parameter is one piece, so the optimizer's state must be exactly what calling the
-    8-bit kernel on each parameter gives (the plumbing: codes kept, steps counted, index bases, hyper-parameters)."""
+    8-bit kernel on each parameter gives (the plumbing: codes kept, steps counted, index bases, hyper-parameters;
+    with 24-bit masters, the masters and the weights written from them)."""
     model, direct = make(), make()
-    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, state_precision="int8", weight_decay=0.1)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, state_precision=precision, weight_decay=0.1)
     params = list(direct.parameters())
     state = [compact.fresh(p.numel()) for p in params]
+    m24 = [compact.Master24.empty(p.numel()).copy_(p.detach()) for p in params] if precision == "int8_m24" else None
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 6):
         x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
@@ -45,22 +54,27 @@ def test_cpu_side_steps_are_the_kernels_bit_for_bit() -> None:
         opt.zero_grad()
         with torch.no_grad():
             grads = [p.grad.view(-1) for p in params]
-            ops.adam_step_q8_([p.view(-1) for p in params], grads, *zip(*state), [step] * len(params), lr=1e-2,
-                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)  # fmt: skip
+            flat = [p.view(-1) for p in params]
+            extra = {"out_copies": flat, "master_lows": [m.lo for m in m24]} if m24 else {}
+            ops.adam_step_q8_([m.hi for m in m24] if m24 else flat, grads, *zip(*state), [step] * len(params),
+                              lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, **extra)  # fmt: skip
         direct.zero_grad()
     opt.synchronize()
-    for p, q in zip(model.parameters(), direct.parameters()):
+    for i, (p, q) in enumerate(zip(model.parameters(), direct.parameters())):
         assert torch.equal(p, q)
+        if m24:  # the float32 weights are the 24-bit masters, whose low 8 bits are zero
+            assert torch.equal(p.view(-1), m24[i].float()) and not (p.view(-1).view(torch.int32) & 0xFF).any()
     for i, entry in opt.state_dict()["state"].items():
         assert torch.equal(entry["exp_avg"].view(-1), compact.decode_exp_avg(state[i][0], state[i][1]))
         assert torch.equal(entry["exp_avg_sq"].view(-1), compact.decode_exp_avg_sq(state[i][2], state[i][3]))
 
 
+@pytest.mark.parametrize("precision", COMPACT)
 @pytest.mark.parametrize("ratio, placement", [(0.6, "last"), (0.6, "first"), (1.0, "first")])
-def test_trains_like_adamw_and_its_state_dict_is_adamws(ratio: float, placement: str) -> None:
+def test_trains_like_adamw_and_its_state_dict_is_adamws(ratio: float, placement: str, precision: str) -> None:
     model, ref = make(), make()
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio, placement=placement, chunk_bytes=4096,
-                       state_precision="int8")  # fmt: skip
+                       state_precision=precision)  # fmt: skip
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses, ref_losses = train(model, opt, 100), train(ref, ref_opt, 100)
     assert abs(sum(losses[-20:]) - sum(ref_losses[-20:])) / sum(ref_losses[-20:]) < 0.01
@@ -78,12 +92,13 @@ def test_trains_like_adamw_and_its_state_dict_is_adamws(ratio: float, placement:
     assert int(again.state_dict()["state"][0]["step"]) == 100
 
 
-def test_state_moves_between_precisions_and_from_adamw() -> None:
+@pytest.mark.parametrize("precision", COMPACT)
+def test_state_moves_between_precisions_and_from_adamw(precision: str) -> None:
     model = make()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, adamw, 20)
     saved = copy.deepcopy(adamw.state_dict())
-    q8 = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision="int8")
+    q8 = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision=precision)
     q8.load_state_dict(saved)
     loaded = q8.state_dict()["state"]
     rels = [((loaded[i][key] - entry[key]).norm() / entry[key].norm()).item()
@@ -99,27 +114,30 @@ def test_state_moves_between_precisions_and_from_adamw() -> None:
     assert losses[-1] < losses[0]
 
 
-def test_host_state_is_about_six_bytes_a_parameter() -> None:
+@pytest.mark.parametrize("precision, per_element", [("int8", 6), ("int8_m24", 5)])
+def test_host_state_bytes_a_parameter(precision: str, per_element: int) -> None:
     model = make()
-    opt = TwinFlowAdam(model.parameters(), ratio=1.0, state_precision="int8")
+    opt = TwinFlowAdam(model.parameters(), ratio=1.0, state_precision=precision)
     train(model, opt, 1)
     cpu = opt.split_summary["cpu"]
-    assert cpu["state_precision"] == "int8"
+    assert cpu["state_precision"] == precision
     blocks = sum(compact.blocks(p.numel()) for p in model.parameters())  # one piece each at the default chunk size
-    assert cpu["state_bytes"] == 6 * cpu["elements"] + 2 * blocks
-    assert cpu["state_bytes"] / cpu["elements"] < 6.01
+    assert cpu["state_bytes"] == per_element * cpu["elements"] + 2 * blocks
+    assert cpu["state_bytes"] / cpu["elements"] < per_element + 0.01
     fp32 = TwinFlowAdam(make().parameters(), ratio=1.0)
     assert fp32.split_summary["cpu"]["state_bytes"] == 12 * cpu["elements"]
 
 
-def test_a_copy_goes_on_exactly() -> None:
-    """deepcopy decodes and re-encodes the moments: a grid value comes back as its own code, so the copy trains
-    bit for bit like the original."""
-    model = make()
-    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision="int8")
+@pytest.mark.parametrize("precision", COMPACT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_copy_goes_on_exactly(precision: str, dtype: torch.dtype) -> None:
+    """deepcopy decodes and re-encodes the state: a grid value comes back as its own code (and a 24-bit master as
+    itself), so the copy trains bit for bit like the original."""
+    model = make().to(dtype)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, chunk_bytes=4096, state_precision=precision)
     train(model, opt, 5)
     twin_model, twin = copy.deepcopy((model, opt))
-    assert twin.state_precision == "int8"
+    assert twin.state_precision == precision
     train(model, opt, 3, seed=5)
     train(twin_model, twin, 3, seed=5)
     for p, q in zip(model.parameters(), twin_model.parameters()):
@@ -129,15 +147,16 @@ def test_a_copy_goes_on_exactly() -> None:
             assert torch.equal(a[key], b[key])
 
 
-def test_speculation_is_off_and_the_delay_works_with_8_bit_moments() -> None:
+@pytest.mark.parametrize("precision", COMPACT)
+def test_speculation_is_off_and_the_delay_works_with_8_bit_moments(precision: str) -> None:
     model = make()
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
-                       max_grad_norm=1e9, speculate=True, state_precision="int8").attach(model)  # fmt: skip
+                       max_grad_norm=1e9, speculate=True, state_precision=precision).attach(model)  # fmt: skip
     losses = train(model, opt, 30)
     assert opt._split.pipeline.speculated_chunks == 0 and losses[-1] < losses[0]
     delayed = make()
     opt = TwinFlowAdam(delayed.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
-                       max_grad_norm=1.0, delay_after=2, state_precision="int8").attach(delayed)  # fmt: skip
+                       max_grad_norm=1.0, delay_after=2, state_precision=precision).attach(delayed)  # fmt: skip
     losses = train(delayed, opt, 30)
     assert opt._split.pipeline.late_jobs > 0 and losses[-1] < losses[0]
 
@@ -145,22 +164,24 @@ def test_speculation_is_off_and_the_delay_works_with_8_bit_moments() -> None:
 def test_config_key_and_bad_values() -> None:
     base = {"train_micro_batch_size_per_gpu": 2, "offload_ratio": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
-    config = twinflow.load_config(base | {"offload_state_precision": "int8"}, world_size=1)
-    assert config.offload_state_precision == "int8"
+    for precision in COMPACT:
+        config = twinflow.load_config(base | {"offload_state_precision": precision}, world_size=1)
+        assert config.offload_state_precision == precision
     with pytest.raises(twinflow.ConfigError, match="offload_state_precision"):
         twinflow.load_config(base | {"offload_state_precision": "int4"}, world_size=1)
-    with pytest.raises(ValueError, match=r"state_precision='bf16'; expected 'fp32' .* or 'int8'"):
+    with pytest.raises(ValueError, match=r"state_precision='bf16'; expected 'fp32' .*, 'int8' .* or 'int8_m24'"):
         TwinFlowAdam(make().parameters(), state_precision="bf16")
     model = make()
-    engine, *_ = twinflow.initialize(model=model, config=base | {"offload_state_precision": "int8"})
-    assert engine.local_optimizer.state_precision == "int8"
+    engine, *_ = twinflow.initialize(model=model, config=base | {"offload_state_precision": "int8_m24"})
+    assert engine.local_optimizer.state_precision == "int8_m24"
+    assert engine.local_optimizer.split_summary["cpu"]["state_precision"] == "int8_m24"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("attach", [False, True])
 def test_on_cuda_with_bf16_weights_it_trains_like_the_fp32_state(attach: bool) -> None:
     losses = {}
-    for precision in ("fp32", "int8"):
+    for precision in ("fp32", *COMPACT):
         model = make().cuda().bfloat16()
         opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
                            max_grad_norm=1.0, state_precision=precision)  # fmt: skip
@@ -178,4 +199,5 @@ def test_on_cuda_with_bf16_weights_it_trains_like_the_fp32_state(attach: bool) -
         opt.synchronize()
         losses[precision] = sum(run[-20:]) / 20
         assert opt.split_summary["cpu"]["state_precision"] == precision and opt.split_summary["cpu"]["elements"] > 0
-    assert abs(losses["int8"] - losses["fp32"]) / losses["fp32"] < 0.02, losses
+    for precision in COMPACT:
+        assert abs(losses[precision] - losses["fp32"]) / losses["fp32"] < 0.02, losses

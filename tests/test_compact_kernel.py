@@ -21,7 +21,12 @@ def consts(step: int, lr: float, beta1: float, beta2: float, eps: float, wd: flo
 
 
 def reference_step(p, g, state, step, index_base, hyper, scale):
-    """csrc/adam_q8.h in float32 torch operations, one at a time and in its order."""
+    """csrc/adam_q8.h in float32 torch operations, one at a time and in its order; `p`: float32 masters, or
+    24-bit ones (a Master24, rounded in place: the float32 value comes back)."""
+    if isinstance(p, compact.Master24):
+        p_new, *rest = reference_step(p.float(), g, state, step, index_base, hyper, scale)
+        p.hi, p.lo = compact.encode_master(p_new, compact.kernel_noise(index_base, p.numel(), step) & 0xFF)
+        return (p.float(), *rest)
     c = consts(step, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
                hyper["adamw_mode"], scale)  # fmt: skip
     m = compact.decode_exp_avg(state["m_codes"], state["m_scales"])
@@ -45,23 +50,35 @@ def fresh(n: int) -> dict:
 
 
 def kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs=None, threads=3):
-    ops.adam_step_q8_(params, grads, [s["m_codes"] for s in states], [s["m_scales"] for s in states],
-                      [s["v_codes"] for s in states], [s["v_scales"] for s in states], [step] * len(params),
-                      index_bases=bases, grad_scale=scale, out_copies=outs, num_threads=threads, simd=simd,
-                      **hyper)  # fmt: skip
+    """`params`: float32 tensors, or Master24s (24-bit masters)."""
+    m24 = bool(params) and isinstance(params[0], compact.Master24)
+    ops.adam_step_q8_([p.hi for p in params] if m24 else params, grads, [s["m_codes"] for s in states],
+                      [s["m_scales"] for s in states], [s["v_codes"] for s in states], [s["v_scales"] for s in states],
+                      [step] * len(params), index_bases=bases, grad_scale=scale, out_copies=outs, num_threads=threads,
+                      simd=simd, master_lows=[p.lo for p in params] if m24 else None, **hyper)  # fmt: skip
+
+
+def masters(values: list[torch.Tensor], kind: str) -> list:
+    """float32 masters (clones of `values`), or 24-bit ones holding `values` rounded to the nearest."""
+    return [compact.Master24.empty(v.numel()).copy_(v) if kind == "m24" else v.clone() for v in values]
+
+
+def values(p) -> torch.Tensor:
+    return p.float() if isinstance(p, compact.Master24) else p
 
 
 def test_block_size_matches_the_kernel() -> None:
     assert ops.q8_block_size() == compact.BLOCK
 
 
+@pytest.mark.parametrize("master", ["fp32", "m24"])
 @pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: bool, grad_dtype) -> None:
+def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: bool, grad_dtype, master) -> None:
     gen = torch.Generator().manual_seed(3)
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode)
-    params = [torch.randn(n, generator=gen) for n in SIZES]
-    ref = [p.clone() for p in params]
+    start = [torch.randn(n, generator=gen) for n in SIZES]
+    params, ref = masters(start, master), masters(start, master)
     states, ref_states = [fresh(n) for n in SIZES], [fresh(n) for n in SIZES]
     bases = [17 * i for i in range(len(SIZES))]
     for step in range(1, 9):
@@ -71,10 +88,11 @@ def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: 
         outs = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in SIZES]  # poisoned
         kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs)
         for i in range(len(SIZES)):
-            ref[i], ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, bases[i], hyper, scale)
-            assert torch.equal(outs[i], ref[i].bfloat16())
+            p_new, ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, bases[i], hyper, scale)
+            ref[i] = ref[i] if master == "m24" else p_new
+            assert torch.equal(outs[i], p_new.bfloat16())
     for i in range(len(SIZES)):
-        assert torch.equal(params[i], ref[i])
+        assert torch.equal(values(params[i]), values(ref[i]))
         for key in ref_states[i]:
             assert torch.equal(states[i][key], ref_states[i][key]), (SIZES[i], key)
         assert states[i]["m_codes"].abs().max() > 100 and states[i]["v_codes"].max() > 200  # codes in use
@@ -182,3 +200,50 @@ def test_bad_arguments_are_refused_before_anything_is_written() -> None:
         with pytest.raises(error, match=message):
             kernel_step([p], [g], [bad], 1, [0], hyper, 1.0, None)
     assert torch.equal(p, kept) and not state["m_scales"].any()
+
+
+def test_24_bit_master_one_step_against_float64(simd: str) -> None:
+    """The rounded master is one of the two 24-bit values around the float64 step's result (a step of 2^-15 of
+    its binade), and not always the nearer one: the rounding is stochastic."""
+    gen = torch.Generator().manual_seed(6)
+    n = 70001
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+    p, state = masters([torch.randn(n, generator=gen)], "m24")[0], fresh(n)
+    for step in range(1, 4):
+        kernel_step([p], [torch.randn(n, generator=gen)], [state], step, [0], hyper, 1.0, simd)
+    m = compact.decode_exp_avg(state["m_codes"], state["m_scales"]).double()
+    v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"]).double()
+    g = torch.randn(n, generator=gen)
+    p64 = p.float().double()
+    m_new, v_new = 0.9 * m + 0.1 * g.double(), 0.999 * v + 0.001 * g.double() ** 2
+    bc1, bc2 = 1 - 0.9**4, 1 - 0.999**4
+    p_new = p64 * (1 - 1e-3 * 0.01) - 1e-3 / bc1 * m_new / (v_new.sqrt() / math.sqrt(bc2) + 1e-8)
+    out = torch.full((n,), float("nan"))  # poisoned
+    kernel_step([p], [g], [state], 4, [0], hyper, 1.0, simd, outs=[out])
+    stored = p.float().double()
+    assert torch.equal(out, p.float())  # the weight written is the master
+    ulp = 2.0 ** (torch.floor(torch.log2(p_new.abs())) - 15)  # the 24-bit step of each result's binade
+    err = (stored - p_new).abs()
+    assert (err <= ulp * (1 + 1e-3)).all(), (err / ulp).max()
+    nearest = compact.decode_master(*compact.encode_master(p_new.float())).double()
+    assert ((stored != nearest).float().mean() > 0.1) and (err > 1e-3 * ulp).float().mean() > 0.9
+
+
+def test_24_bit_master_takes_updates_far_below_its_step(simd: str) -> None:
+    """lr 1e-6 on weights near 1: each update is 1/30 of the master's step (2^-15), so rounding to the nearest would
+    hold every weight still; stochastic rounding moves them by the right amount on average."""
+    gen = torch.Generator().manual_seed(7)
+    n, steps, lr = 8192, 300, 1e-6
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    start = 1.25 + 0.1 * torch.rand(n, generator=gen)
+    p, state = masters([start], "m24")[0], fresh(n)
+    before, expected = p.float().double(), torch.zeros(n, dtype=torch.float64)
+    for step in range(1, steps + 1):
+        grad = 0.5 + torch.rand(n, generator=gen)  # positive: Adam's update is about -lr every step
+        # the update the kernel takes, in float64 from the moments it starts from
+        m = 0.9 * compact.decode_exp_avg(state["m_codes"], state["m_scales"]).double() + 0.1 * grad.double()
+        v = 0.999 * compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"]).double() + 0.001 * grad.double() ** 2
+        expected += lr / (1 - 0.9**step) * m / (v.sqrt() / math.sqrt(1 - 0.999**step) + 1e-8)
+        kernel_step([p], [grad], [state], step, [0], hyper, 1.0, simd)
+    moved = (before - p.float().double()).mean().item()
+    assert abs(moved / expected.mean().item() - 1) < 0.015, (moved, expected.mean().item())

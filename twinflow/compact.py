@@ -24,6 +24,10 @@ moves by less than a code step per step still moves on average
 a code step). The noise is a hash of the element's index and the step. Host
 state: 4 (float32 master) + 1 + 1 bytes per element, plus 2 bytes per block.
 
+``state_precision="int8_m24"`` keeps the same moments and a 24-bit master
+(:class:`Master24`, bottom of this module): 3 + 1 + 1 bytes per element, plus
+the 2 per block.
+
 This is the definition, written the short way. The kernel (csrc/adam_q8.h)
 gets the same bits without a multiply, working on bit patterns so that no
 subnormal appears on the way (on x86 those take slow microcode assists), and
@@ -41,15 +45,17 @@ _SALT = 0x2545F491
 _F32 = torch.float32
 
 
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "int8_m24")
+# Host state per CPU-stepped element, each precision's (as float, with the per-block scales).
+BYTES_PER_ELEMENT = {"fp32": 12.0, "int8": 6 + 2 / BLOCK, "int8_m24": 5 + 2 / BLOCK}
 
 
 def check_state_precision(state_precision: object) -> str:
     if state_precision not in PRECISIONS:
         raise ValueError(
-            f"state_precision={state_precision!r}; expected 'fp32' (the default: exact) or 'int8' (the CPU share's "
-            "moments in 8 bits with a scale per 256 elements: 6 bytes of host state a parameter instead of 12, "
-            "not exact)"
+            f"state_precision={state_precision!r}; expected 'fp32' (the default: exact), 'int8' (the CPU share's "
+            "moments in 8 bits with a scale per 256 elements, float32 masters: 6 bytes of host state a parameter "
+            "instead of 12, not exact) or 'int8_m24' (those moments and 24-bit masters: 5 bytes)"
         )
     return state_precision
 
@@ -155,3 +161,63 @@ def kernel_noise(index_base: int, numel: int, step: int) -> torch.Tensor:
     """The noise the kernel rounds a tensor's moments with at `step` (index_base: its first element's index)."""
     index = (torch.arange(numel, dtype=torch.int64) + index_base) & _M32
     return hash32(index, key(step))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 24-bit masters (state_precision "int8_m24"): a float32's top 16 bits (a bfloat16: sign, exponent, 7 mantissa bits)
+# and its next 8 mantissa bits (uint8); the low 8 are zero. 15 mantissa bits: a relative step of 2^-15. The kernel
+# rounds each new master to them stochastically: it adds 8 random bits (the element's hash's low 8) to the float32
+# bit pattern and cuts the low 8 (csrc/adam_q8.h m24_encode), which rounds the magnitude up with probability
+# (cut bits) / 256, so the master is right on average and updates far below its step still move it.
+
+
+def decode_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 24-bit masters (hi: bfloat16, lo: uint8)."""
+    bits = ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) | (lo.to(torch.int64) << 8)
+    return bits.to(torch.int32).view(_F32)  # int64 -> int32 wraps: the bit pattern, sign included
+
+
+def encode_master(x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) of float32 values `x`; `noise`: 8 random bits per element (the kernel's: the low 8 of
+    :func:`kernel_noise`), else to the nearest (ties away from zero, as a load does)."""
+    bits = x.reshape(-1).to(_F32).view(torch.int32).to(torch.int64) & _M32
+    t = ((bits + (noise if noise is not None else 0x80)) & _M32) >> 8
+    hi = (t >> 8).to(torch.int32).to(torch.int16).view(torch.bfloat16)  # 16-bit pattern: wraps to int16
+    return hi, (t & 0xFF).to(torch.uint8)
+
+
+class Master24:
+    """A flat range of 24-bit masters: ``hi`` (bfloat16, the top 16 bits) and ``lo`` (uint8, the next 8).
+
+    Stands where a float32 master tensor would: sliced, copied into (rounded to the nearest), read back
+    (:meth:`float`).
+    """
+
+    def __init__(self, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        self.hi, self.lo = hi, lo
+
+    @classmethod
+    def empty(cls, n: int) -> Master24:
+        return cls(torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.uint8))
+
+    def __getitem__(self, index: slice) -> Master24:
+        return Master24(self.hi[index], self.lo[index])
+
+    def numel(self) -> int:
+        return self.hi.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+    def data_ptr(self) -> int:
+        return self.hi.data_ptr()
+
+    def float(self) -> torch.Tensor:
+        return decode_master(self.hi, self.lo)
+
+    def copy_(self, src: torch.Tensor) -> Master24:
+        hi, lo = encode_master(src)
+        self.hi.copy_(hi)
+        self.lo.copy_(lo)
+        return self

@@ -240,8 +240,9 @@ class Config(_Section):
     offload_delay_after: Annotated[Count, Field(ge=0)] | None = None
     # Exact: under clipping the CPU steps as gradients land and redoes the steps the norm clipped.
     offload_speculate: Flag = False
-    # Opt-in, not exact: "int8" keeps the CPU share's moments in 8 bits (6 bytes of host state a parameter, not 12).
-    offload_state_precision: Literal["fp32", "int8"] = "fp32"
+    # Opt-in, not exact: "int8" keeps the CPU share's moments in 8 bits (6 bytes of host state a parameter, not 12);
+    # "int8_m24" also its masters in 24 bits (5 bytes).
+    offload_state_precision: Literal["fp32", "int8", "int8_m24"] = "fp32"
     world_size: Annotated[Count, Field(gt=0)] = 1
 
     @model_validator(mode="after")

@@ -361,6 +361,7 @@ def adam_step_q8_(
     grad_scale: float = 1.0,
     num_threads: int | None = None,
     simd: str | None = None,
+    master_lows: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """:func:`adam_step_` with 8-bit moments (``state_precision="int8"``), in place.
 
@@ -372,6 +373,12 @@ def adam_step_q8_(
     weight update uses the new moments in float32; they are then encoded.
     Fresh state: codes and scales zero. :mod:`twinflow.compact` has the
     format, and decodes and encodes it.
+
+    With ``master_lows`` (``state_precision="int8_m24"``) the masters are
+    24 bits: ``params`` are bfloat16 tensors holding their top 16 bits and
+    ``master_lows`` uint8 tensors the next 8; each step rounds the new
+    master to them stochastically (the same hash's low 8 bits), and the
+    out copies are the rounded masters.
     """
     if len(params) == 0:
         return
@@ -387,6 +394,7 @@ def adam_step_q8_(
         [int(s) for s in steps],
         [int(b) for b in index_bases] if index_bases is not None else [0] * len(params),
         *_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd),
+        list(master_lows) if master_lows is not None else [],
     )
 
 
@@ -401,9 +409,11 @@ def bandwidth_probe_q8_(
     out_copies: Sequence[torch.Tensor] | None = None,
     num_threads: int | None = None,
     simd: str | None = None,
+    master_lows: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Moves the same bytes as :func:`adam_step_q8_` with trivial arithmetic: the memory ceiling of the 8-bit
-    mode's access pattern on this host. It overwrites its arguments with meaningless values."""
+    mode's access pattern on this host (with ``master_lows``: of 24-bit masters). It overwrites its arguments
+    with meaningless values."""
     if len(params) == 0:
         return
     load()
@@ -412,4 +422,5 @@ def bandwidth_probe_q8_(
         *(list(ts) for ts in (params, grads, *state, out_copies or [])),
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
+        list(master_lows) if master_lows is not None else [],
     )

@@ -86,7 +86,7 @@ class HostSegment:
     index: int
     start: int
     end: int
-    master: torch.Tensor
+    master: torch.Tensor | compact.Master24
     exp_avg: torch.Tensor | None  # None: 8-bit moments, kept by the pipeline's pieces
     exp_avg_sq: torch.Tensor | None
 
@@ -123,7 +123,7 @@ class _Piece:
     end: int
     host: torch.Tensor  # staged gradient in, rounded weight out; the parameter's dtype
     dst: torch.Tensor  # the parameter's elements [start, end)
-    master: torch.Tensor
+    master: torch.Tensor | compact.Master24
     exp_avg: torch.Tensor | None
     exp_avg_sq: torch.Tensor | None
     spare: torch.Tensor | None = None  # the same place in the second buffer set (delayed update)
@@ -448,7 +448,7 @@ class HostPipeline:
         pieces = [pc for chunk in self.chunks for pc in chunk.pieces]
         if not pieces or pieces[0].q8 is None:
             return sum(12 * (pc.end - pc.start) for pc in pieces)
-        return sum(4 * (pc.end - pc.start) + sum(t.numel() * t.element_size() for t in pc.q8) for pc in pieces)
+        return sum(pc.master.nbytes + sum(t.nbytes for t in pc.q8) for pc in pieces)
 
     def moment(self, i: int, key: str) -> torch.Tensor:
         """Parameter i's CPU-stepped `key` ("exp_avg" or "exp_avg_sq"), decoded from 8 bits, in element order."""
@@ -782,9 +782,12 @@ class HostPipeline:
                          adamw_mode=g["adamw_mode"], bias_correction=g["bias_correction"], grad_scale=scale,
                          num_threads=self.num_threads)  # fmt: skip
             if group_pieces[0].q8 is not None:  # 8-bit moments: in place, never speculative
-                ops.adam_step_q8_([pc.master for pc in group_pieces], hosts, *zip(*(pc.q8 for pc in group_pieces)),
-                                  [args.steps[pc.param] for pc in group_pieces], out_copies=hosts,
-                                  index_bases=[pc.start for pc in group_pieces], **hyper)  # fmt: skip
+                masters = [pc.master for pc in group_pieces]
+                m24 = isinstance(masters[0], compact.Master24)  # 24-bit masters: the top 16 bits stand for them
+                ops.adam_step_q8_([m.hi for m in masters] if m24 else masters, hosts,
+                                  *zip(*(pc.q8 for pc in group_pieces)), [args.steps[pc.param] for pc in group_pieces],
+                                  out_copies=hosts, index_bases=[pc.start for pc in group_pieces],
+                                  master_lows=[m.lo for m in masters] if m24 else None, **hyper)  # fmt: skip
                 continue
             current = [pc.state(pc.flipped) for pc in group_pieces]
             written = [pc.state(not pc.flipped) for pc in group_pieces] if apart else current

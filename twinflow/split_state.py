@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from twinflow import device_side, distributed
+from twinflow import compact, device_side, distributed
 from twinflow.partition import SegmentState, split
 from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
 
@@ -29,7 +29,7 @@ class SplitState:
     """The parameters of `param_groups`, numbered in order; after ``build()``, their split and state."""
 
     def __init__(self, param_groups: list[dict[str, Any]], precision: str = "fp32") -> None:
-        self.precision = precision  # of the CPU share's moments: "fp32" or "int8" (twinflow.compact)
+        self.precision = precision  # of the CPU share's state: "fp32", "int8" or "int8_m24" (twinflow.compact)
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []
         self.index: dict[int, int] = {}  # id(parameter) -> its number
@@ -83,8 +83,12 @@ class SplitState:
         self.cpu: list[SegmentState] = []
         self.dev: list[SegmentState] = []
         cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
-        # int8: the moments live in the pipeline's pieces, 8-bit (twinflow.compact); the masters stay float32
-        host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3 if self.precision == "fp32" else 1)]
+        # int8: the moments live in the pipeline's pieces, 8-bit (twinflow.compact); the masters stay float32, or
+        # (int8_m24) take 24 bits
+        if self.precision == "int8_m24":
+            host = [compact.Master24.empty(cpu_total)]
+        else:
+            host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3 if self.precision == "fp32" else 1)]
         offset = 0
         with torch.no_grad():
             for seg in segments:
@@ -245,13 +249,17 @@ class SplitState:
         p, states = self.locals[i], self.segments_of[i]
         entry = {"step": torch.tensor(float(self.steps[i]))}
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
-            if len(states) == 1 and getattr(states[0], key) is not None:
+            if len(states) == 1 and isinstance(getattr(states[0], key), torch.Tensor):
                 entry[key] = getattr(states[0], key).view(p.shape)
             else:
                 full = torch.empty(p.numel(), dtype=torch.float32)
                 for st in states:
                     value = getattr(st, key)  # None: 8-bit moments, decoded from the pipeline's pieces
-                    full[st.seg.start : st.seg.end] = value if value is not None else self.pipeline.moment(i, key)
+                    if value is None:
+                        value = self.pipeline.moment(i, key)
+                    elif isinstance(value, compact.Master24):
+                        value = value.float()
+                    full[st.seg.start : st.seg.end] = value
                 entry[key] = full.view(p.shape)
         return entry
 

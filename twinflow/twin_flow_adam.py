@@ -48,7 +48,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
     clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``state_precision="int8"`` (opt-in, not
-    exact): the CPU share's moments in 8 bits, 6 bytes of host state a parameter (:mod:`twinflow.compact`).
+    exact): the CPU's moments in 8 bits, 6 bytes a parameter; "int8_m24": and 24-bit masters, 5 (:mod:`.compact`).
     """
 
     def __init__(

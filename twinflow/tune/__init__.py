@@ -161,19 +161,23 @@ def _timed(fn, repeats: int, cuda: bool) -> float:
 
 def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS, state_precision: str = "fp32") -> float:
     """Elements per second of the CPU kernel (bf16 gradient in, bf16 weight out), on fresh host memory, with the
-    moments in `state_precision` ("fp32" or "int8")."""
+    state in `state_precision` ("fp32", "int8" or "int8_m24")."""
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(elements, generator=gen), torch.randn(elements, generator=gen).bfloat16()
-    if state_precision == "int8":
-        moments, kernel = compact.fresh(elements), ops.adam_step_q8_
-    else:
+    extra = {}
+    if state_precision == "fp32":
         moments, kernel = [torch.zeros(elements), torch.zeros(elements)], ops.adam_step_
+    else:
+        moments, kernel = compact.fresh(elements), ops.adam_step_q8_
+        if state_precision == "int8_m24":
+            master = compact.Master24.empty(elements).copy_(p)
+            p, extra = master.hi, {"master_lows": [master.lo]}
     step = [0]
 
     def run() -> None:
         step[0] += 1
         kernel([p], [g], *([t] for t in moments), [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
-               out_copies=[g], num_threads=num_threads)  # fmt: skip
+               out_copies=[g], num_threads=num_threads, **extra)  # fmt: skip
 
     return elements / _timed(run, 3, cuda=False)
 
