@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam
-from twinflow.tune import Inputs, choose_ratio, predict_peak, predict_time
+from twinflow.tune import (
+    Inputs,
+    NoRatioFits,
+    choose_ratio,
+    host_bytes_per_element,
+    predict_host,
+    predict_peak,
+    predict_time,
+)
 
 GIB = 1 << 30
 
@@ -44,7 +52,7 @@ def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eage
     assert 0.0 <= r <= 1.0 and r in GRID, r
     times = {q: predict_time(x, q, placement, overlap, eager, delayed, speculative) for q in GRID}
     assert d["predicted_time_s"] == times[r] and d["predicted_peak_bytes"] == predict_peak(x, r)
-    fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes]
+    fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes and predict_host(x, q) <= x.host_budget_bytes]
     if not fitting:
         assert r == 1.0
         return
@@ -172,6 +180,8 @@ def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
             params, placement="first", eager=False, release_grads=False, margin=0.1, budget=budget, num_threads=1,
         )  # fmt: skip
         assert d["inputs"]["budget_bytes"] == budget_bytes and d["ratio"] == ratio
+        # on the CPU both sides' state is host memory: the host does not bound the ratio; fp32 state + staging
+        assert d["inputs"]["host_budget_bytes"] == float("inf") and d["inputs"]["host_bytes_per_element"] == 16
         assert_is_the_choice(Inputs(**d["inputs"]), d, "first", False, False)
     # 72 fp32 elements' device state (master and moments: 8 bytes each) fits in 900 bytes, and not in 500
     assert predict_peak(Inputs(**d["inputs"]), 0.0) == 576
@@ -225,3 +235,50 @@ def test_auto_plans_for_speculation_only_where_it_runs(speculate: bool, clip: fl
     d = opt.auto_decision
     assert d["speculative"] is expected
     assert_is_the_choice(Inputs(**d["inputs"]), d, "last", True, d["eager"], speculative=expected)
+
+
+def test_host_bytes_per_element_count_state_and_staging() -> None:
+    assert host_bytes_per_element("fp32", 2, delayed=False, speculative=False) == 14
+    assert host_bytes_per_element("int8", 2, delayed=False, speculative=False) == 8 + 2 / 256
+    assert host_bytes_per_element("int8_m24", 2, delayed=True, speculative=False) == 9 + 2 / 256
+    assert host_bytes_per_element("fp32", 4, delayed=False, speculative=True) == 12 + 8 + 12  # the second state set
+
+
+@pytest.mark.parametrize("host_gib", [30, 40, 60])
+@pytest.mark.parametrize("rates", list(RATES))
+def test_host_memory_caps_the_ratio(host_gib: int, rates: str) -> None:
+    """A CPU-bound run with plenty of device memory wants a low ratio anyway; a GPU-bound one wants a high ratio,
+    which the host's memory cuts to what it holds."""
+    x = inputs(budget_bytes=70 * GIB, host_bytes_per_element=14.0, host_budget_bytes=host_gib * GIB, **RATES[rates])
+    d = choose_ratio(x, "last", overlap=True, eager=True)
+    assert_is_the_choice(x, d, "last", True, True)
+    assert d["predicted_host_bytes"] == predict_host(x, d["ratio"]) <= host_gib * GIB
+    unlimited = choose_ratio(inputs(budget_bytes=70 * GIB, **RATES[rates]), "last", overlap=True, eager=True)
+    if predict_host(x, unlimited["ratio"]) > host_gib * GIB:  # the host would not hold the unlimited choice
+        assert d["ratio"] < unlimited["ratio"]
+    else:
+        assert d["ratio"] == unlimited["ratio"]
+
+
+def test_no_ratio_in_both_memories_is_an_error_that_names_the_compact_precisions() -> None:
+    """OPT-13B-like on an 80 GB GPU with a 125 GiB host: the GPU needs most of the model on the CPU, where fp32
+    state does not fit; auto says so, with the ratios the 8-bit precisions would hold, and picks none of them."""
+    x = inputs(elements=13_000_000_000, grad_bytes=26_000_000_000, released_bytes_per_ratio=0,
+               first_peak_bytes=60 * GIB, at_step_bytes=55 * GIB, budget_bytes=72 * GIB,
+               host_bytes_per_element=14.0, host_budget_bytes=88 * GIB)  # fmt: skip
+    with pytest.raises(NoRatioFits) as error:
+        choose_ratio(x, "last", overlap=True, eager=True)
+    message = str(error.value)
+    # the device: (1 - r) 13e9 x 12 bytes of state on top of 60 GiB within 72 GiB; the host: 88 GiB / 13e9 / bytes
+    assert "needs ratio at least 0.92" in message and "holds ratio at most 0.51" in message, message
+    assert "state_precision='int8' (8.0 bytes: ratio up to 0.91)" in message  # 8 + 2/256: still short of 0.92
+    assert "state_precision='int8_m24' (7.0 bytes: ratio up to 1.00)" in message
+    m24 = inputs(**(asdict(x) | dict(host_bytes_per_element=host_bytes_per_element("int8_m24", 2, False, False),
+                                     state_precision="int8_m24")))  # fmt: skip
+    d = choose_ratio(m24, "last", overlap=True, eager=True)  # what the message promised
+    assert d["ratio"] >= 0.92
+    assert_is_the_choice(m24, d, "last", True, True)
+    int8 = inputs(**(asdict(x) | dict(host_bytes_per_element=host_bytes_per_element("int8", 2, False, False),
+                                      state_precision="int8")))  # fmt: skip
+    with pytest.raises(NoRatioFits, match=r"int8_m24.*ratio up to 1\.00"):
+        choose_ratio(int8, "last", overlap=True, eager=True)

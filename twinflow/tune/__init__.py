@@ -32,14 +32,27 @@ F and B: forward and backward time):
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
   against 0.221 s at ratio 0, where a perfect overlap predicts no cost).
 
+- host memory: host(r) = r N x (the CPU share's state bytes per element in
+  its ``state_precision``: 12, 6.008 or 5.008; + its pinned staging, the
+  parameter's bytes, twice with the delayed update or speculation; + 12
+  for speculation's second state set). The host budget is what the host can
+  still give when the first step begins (``MemAvailable``, or less under a
+  cgroup limit), less ``margin`` of it.
+
 The choice: among ratios whose predicted peak fits the memory budget (what
-the device can give, or a smaller ``budget`` in bytes, less ``margin`` of it), the
-fastest; where several are predicted within 2% of the fastest, the smallest
-of them. (Measured on an H100: where the model predicts the CPU's work fully
-hidden, the ratio at the edge of that region was 30% slower than ratio 0, so
-the choice does not trade predicted-free time for memory headroom.)
+the device can give, or a smaller ``budget`` in bytes, less ``margin`` of it)
+and whose host memory fits the host budget, the fastest; where several are
+predicted within 2% of the fastest, the smallest of them. (Measured on an
+H100: where the model predicts the CPU's work fully hidden, the ratio at the
+edge of that region was 30% slower than ratio 0, so the choice does not trade
+predicted-free time for memory headroom.)
 ``python -m twinflow.tune`` runs this for an OPT model and prints the
 decision and a table of predicted against measured step time.
+
+When no ratio fits both budgets, ``ratio="auto"`` raises rather than guess
+(a host out of memory kills the process): the error gives the ratios each
+budget allows and what the compact state precisions would allow, which the
+user may opt into; auto never changes the precision itself.
 """
 
 from __future__ import annotations
@@ -78,6 +91,48 @@ class Inputs:
     cpu_elements_per_s: float
     gpu_elements_per_s: float
     pcie_bytes_per_s: float
+    host_bytes_per_element: float = 0.0  # host memory per CPU-stepped element: state, staging (module docstring)
+    host_budget_bytes: float = float("inf")  # what the host can give, less the margin
+    state_precision: str = "fp32"
+
+
+def predict_host(inputs: Inputs, ratio: float) -> float:
+    """Host memory of the CPU share at `ratio`: its state and pinned staging."""
+    return ratio * inputs.elements * inputs.host_bytes_per_element
+
+
+def host_bytes_per_element(precision: str, staging_bytes: float, delayed: bool, speculative: bool) -> float:
+    """The CPU share's host memory per element: state in `precision`, pinned staging of `staging_bytes` (the
+    parameter's itemsize), twice under the delayed update or speculation, plus speculation's second state set."""
+    second_set = 12 if speculative and precision == "fp32" else 0  # 8-bit state never speculates
+    return compact.BYTES_PER_ELEMENT[precision] + staging_bytes * (2 if delayed or speculative else 1) + second_set
+
+
+def host_available_bytes() -> float:
+    """What this process may still take of host memory: MemAvailable, or less under a cgroup v2 limit (inf where
+    neither can be read)."""
+    available = float("inf")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            available = min(available, max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+class NoRatioFits(ValueError):
+    """ratio="auto" found no ratio within both the device's and the host's memory budgets."""
 
 
 def predict_peak(inputs: Inputs, ratio: float) -> float:
@@ -119,10 +174,14 @@ def choose_ratio(
             "ratio": r,
             "time_s": predict_time(inputs, r, placement, overlap, eager, delayed, speculative),
             "peak_bytes": predict_peak(inputs, r),
+            "host_bytes": predict_host(inputs, r),
         }
         for r in ratios
     ]
-    fits = [row for row in table if row["peak_bytes"] <= inputs.budget_bytes]
+    on_host = [row for row in table if row["host_bytes"] <= inputs.host_budget_bytes]
+    fits = [row for row in on_host if row["peak_bytes"] <= inputs.budget_bytes]
+    if not fits and len(on_host) < len(table):
+        raise NoRatioFits(_no_ratio_message(inputs, table, on_host, delayed, speculative))
     if not fits:
         log.warning("ratio='auto': even ratio 1 is predicted over the memory budget; choosing 1")
         best = table[-1]
@@ -134,6 +193,7 @@ def choose_ratio(
         "ratio": chosen["ratio"],
         "predicted_time_s": chosen["time_s"],
         "predicted_peak_bytes": chosen["peak_bytes"],
+        "predicted_host_bytes": chosen["host_bytes"],
         "fastest_fitting_ratio": best["ratio"],
         "placement": placement,
         "overlap": overlap,
@@ -142,6 +202,30 @@ def choose_ratio(
         "speculative": speculative,
         "inputs": asdict(inputs),
     }
+
+
+def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], delayed: bool,
+                      speculative: bool) -> str:  # fmt: skip
+    gib = 1 << 30
+    on_device = [row["ratio"] for row in table if row["peak_bytes"] <= inputs.budget_bytes]
+    need = f"at least {min(on_device):.2f}" if on_device else "more than 1 (none fits)"
+    host_max = max((row["ratio"] for row in on_host), default=None)
+    holds = f"at most {host_max:.2f}" if host_max is not None else "none, not even 0"
+    staging = inputs.grad_bytes / max(inputs.elements, 1)
+    options = []
+    for precision in compact.PRECISIONS:
+        if compact.BYTES_PER_ELEMENT[precision] < compact.BYTES_PER_ELEMENT[inputs.state_precision]:
+            per = host_bytes_per_element(precision, staging, delayed, speculative)
+            limit = inputs.host_budget_bytes / (inputs.elements * per)
+            options.append(f"state_precision={precision!r} ({per:.1f} bytes: ratio up to {min(1.0, limit):.2f})")
+    fix = ("; the CPU share's state can be made smaller (opt-in, not exact): " + ", ".join(options)) if options else ""
+    return (
+        f"ratio='auto': no ratio fits both memories. The device budget ({inputs.budget_bytes / gib:.1f} GiB) needs "
+        f"ratio {need}; the host can still give {inputs.host_budget_bytes / gib:.1f} GiB after the margin, which at "
+        f"{inputs.host_bytes_per_element:.1f} bytes per CPU-stepped parameter (state_precision="
+        f"{inputs.state_precision!r}, pinned staging included) holds ratio {holds}. Free host or device memory, or "
+        f"set memory_budget/memory_margin{fix}"
+    )
 
 
 def _timed(fn, repeats: int, cuda: bool) -> float:
@@ -267,8 +351,9 @@ class IterationProbe:
             capacity = free + torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             at_step = torch.cuda.memory_allocated(self.device)
-        else:
-            capacity, peak, at_step = 1 << 62, 0, 0
+            host_budget = host_available_bytes() * (1 - margin)
+        else:  # both sides' state is in host memory then: the ratio does not change how much
+            capacity, peak, at_step, host_budget = 1 << 62, 0, 0, float("inf")
         # The margin stays free below whichever limit applies (a 30 GiB budget plans for 27 GiB at margin 0.1).
         budget = int((capacity if budget is None else min(capacity, int(budget))) * (1 - margin))
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -288,6 +373,11 @@ class IterationProbe:
             cpu_elements_per_s=cpu_kernel_rate(num_threads, state_precision=state_precision),
             gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
             pcie_bytes_per_s=pcie_rate(self.device),
+            host_bytes_per_element=host_bytes_per_element(
+                state_precision, grad_bytes / max(elements, 1), delayed, speculative
+            ),  # fmt: skip
+            host_budget_bytes=host_budget,
+            state_precision=state_precision,
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
