@@ -8,10 +8,11 @@ from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from twinflow.schedulers import WarmupDecayLR
 
 
-def build(ratio: float = 0.5, seed: int = 0, width: int = 16):
+def build(ratio: float = 0.5, seed: int = 0, width: int = 16, precision: str = "fp32"):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 3))
-    opt = TwinFlowAdam(model.parameters(), lr=1e-2, weight_decay=0.01, ratio=ratio, chunk_bytes=256)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, weight_decay=0.01, ratio=ratio, chunk_bytes=256,
+                       state_precision=precision)  # fmt: skip
     sched = WarmupDecayLR(opt, total_num_steps=20, warmup_max_lr=0.02, warmup_num_steps=4, warmup_type="linear")
     return model, opt, sched
 
@@ -40,15 +41,17 @@ def assert_unchanged(before: list, after: list) -> None:
     assert before[2] == after[2]
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path) -> None:
-    model, opt, sched = build()
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int8_m24"])
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, precision: str) -> None:
+    """With compact state too: the checkpoint holds decoded values, which encode back to the same codes."""
+    model, opt, sched = build(precision=precision)
     gen = torch.Generator().manual_seed(1)
     train(model, opt, sched, gen, 3)
     save_checkpoint(tmp_path, "step3", model=model, optimizer=opt, scheduler=sched,
                     extra={"rng": gen.get_state(), "step": 3}, meta={"ratio": 0.5})  # fmt: skip
     uninterrupted = train(model, opt, sched, gen, 5)
 
-    model2, opt2, sched2 = build(seed=99)  # other weights: everything must come from the checkpoint
+    model2, opt2, sched2 = build(seed=99, precision=precision)  # other weights: all must come from the checkpoint
     extra, meta = load_checkpoint(tmp_path, model=model2, optimizer=opt2, scheduler=sched2)
     gen2 = torch.Generator()
     gen2.set_state(extra["rng"])

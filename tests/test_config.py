@@ -173,6 +173,7 @@ def test_the_example_config_loads() -> None:
 @pytest.mark.parametrize("name, world, ratio, placement, batch", [
     ("opt-13b.json", 1, 0.5, "last", 4),
     ("opt-13b-h100-int8.json", 1, 0.85, "last", 4),
+    ("opt-13b-h100-int8_m24.json", 1, 0.85, "last", 4),
     ("opt-30b.json", 4, 0.4, "first", 16),
 ])  # fmt: skip
 def test_the_opt_example_configs_load(name: str, world: int, ratio: float, placement: str, batch: int) -> None:
