@@ -163,7 +163,11 @@ inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const 
   const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
   const ireg sign = V::template sra<31>(V::bits(m));
   V::store(s.m_codes + i, V::isub(V::ixor(a, sign), sign));
-  V::store(s.v_codes + i, q8_encode<V>(V::load(vbuf), V::template srl<16>(h), kv, 255));
+  // A positive v keeps at least the lowest code: one rounded to zero beside a nonzero m would make the update
+  // m / eps (min(bits, 1) is 1 for v > 0, else 0).
+  const typename V::reg v = V::load(vbuf);
+  const ireg cv = q8_encode<V>(v, V::template srl<16>(h), kv, 255);
+  V::store(s.v_codes + i, V::imax(cv, V::imin(V::bits(v), V::iset1(1))));
 }
 
 template <class V, class G, class O, bool kM24>

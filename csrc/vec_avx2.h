@@ -44,6 +44,7 @@ struct VecAvx2 {
   static ireg ior(ireg a, ireg b) { return _mm256_or_si256(a, b); }
   static ireg ixor(ireg a, ireg b) { return _mm256_xor_si256(a, b); }
   static ireg imin(ireg a, ireg b) { return _mm256_min_epi32(a, b); }
+  static ireg imax(ireg a, ireg b) { return _mm256_max_epi32(a, b); }
   static ireg iabs(ireg a) { return _mm256_abs_epi32(a); }
   template <int k>
   static ireg srl(ireg a) { return _mm256_srli_epi32(a, k); }

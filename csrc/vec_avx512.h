@@ -39,6 +39,7 @@ struct VecAvx512 {
   static ireg ior(ireg a, ireg b) { return _mm512_or_si512(a, b); }
   static ireg ixor(ireg a, ireg b) { return _mm512_xor_si512(a, b); }
   static ireg imin(ireg a, ireg b) { return _mm512_min_epi32(a, b); }
+  static ireg imax(ireg a, ireg b) { return _mm512_max_epi32(a, b); }
   static ireg iabs(ireg a) { return _mm512_abs_epi32(a); }
   template <int k>
   static ireg srl(ireg a) { return _mm512_srli_epi32(a, k); }

@@ -73,6 +73,7 @@ struct VecScalarOf {
   static ireg ior(ireg a, ireg b) { return a | b; }
   static ireg ixor(ireg a, ireg b) { return a ^ b; }
   static ireg imin(ireg a, ireg b) { return a < b ? a : b; }
+  static ireg imax(ireg a, ireg b) { return a > b ? a : b; }
   static ireg iabs(ireg a) { return a < 0 ? -a : a; }
   template <int k>
   static ireg srl(ireg a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> k); }

@@ -247,3 +247,24 @@ def test_24_bit_master_takes_updates_far_below_its_step(simd: str) -> None:
         kernel_step([p], [grad], [state], step, [0], hyper, 1.0, simd)
     moved = (before - p.float().double()).mean().item()
     assert abs(moved / expected.mean().item() - 1) < 0.015, (moved, expected.mean().item())
+
+
+def test_a_v_below_its_blocks_range_keeps_the_lowest_code(simd: str) -> None:
+    """Gradient scales spread over 2^-20..1 inside each block put some v below the codes' 2^-30 range while their m
+    still has a code. Rounded to zero such a v would make the update m / eps (thousands of times lr); it keeps the
+    lowest code instead, so every update stays within Adam's usual bound of a few lr."""
+    gen = torch.Generator().manual_seed(8)
+    n = 4096
+    hyper = dict(lr=1.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    scale = torch.exp2(-20 * torch.rand(n, generator=gen))
+    p, state, largest = torch.randn(n, generator=gen), fresh(n), 0.0
+    for step in range(1, 41):
+        before = p.clone()
+        kernel_step([p], [scale * (0.3 + torch.randn(n, generator=gen))], [state], step, [0], hyper, 1.0, simd)
+        largest = max(largest, (p - before).abs().max().item())  # lr 1: the update itself
+    m = compact.decode_exp_avg(state["m_codes"], state["m_scales"])
+    v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"])
+    exact_v = 1e-3 * scale**2  # about: each v is at least (1 - beta2) g^2 of its own gradients
+    assert (exact_v < 2.0**-30 * v.view(-1, 256).amax(dim=1).repeat_interleave(256)).sum() > 100  # below range
+    assert not ((v == 0) & (m != 0)).any()
+    assert largest < 10, largest

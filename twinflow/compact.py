@@ -11,7 +11,8 @@ relative to that scale, with 3 mantissa bits.
 - ``exp_avg_sq``: uint8, 8 bits of magnitude (5 exponent bits: 31 binades,
   down to 2^-30). The wide range matters more here than the precision: a
   ``v`` rounded to zero beside a large one in its block would blow its
-  element's update up.
+  element's update up. Below the range, a positive ``v`` keeps the lowest
+  nonzero code (rounded up: its update only shrinks).
 
 A magnitude shifted left by 20 is the bit pattern of a float32 near the
 bottom of float32's range (its exponent field is the code's; the evenly
@@ -153,7 +154,8 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor 
     scale_m, scale_v = _field(_block_max(m.abs()), TOP_FIELD_M), _field(_block_max(v), TOP_FIELD_V)
     a = _encode(m.abs(), h & 0xFFFF, _d(scale_m, n, TOP_FIELD_M), 127)
     codes_m = torch.where(torch.signbit(m), -a, a)
-    codes_v = _encode(v, h >> 16, _d(scale_v, n, TOP_FIELD_V), 255)
+    # a positive v keeps at least the lowest code: zero beside a nonzero m would make the update m / eps
+    codes_v = torch.maximum(_encode(v, h >> 16, _d(scale_v, n, TOP_FIELD_V), 255), (v > 0).to(torch.int64))
     return codes_m.to(torch.int8), scale_m, codes_v.to(torch.uint8), scale_v
 
 
