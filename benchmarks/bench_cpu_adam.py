@@ -9,12 +9,12 @@ access pattern (a probe that moves the same bytes with trivial arithmetic), and
 a thread sweep. Speculation's variant steps out of place (reads the state
 from one copy, writes it to another: the same bytes), beside its own probe.
 The 8-bit mode (state_precision="int8": int8/uint8 moments with a one-byte
-scale per 256 elements each) moves 16 bytes per parameter (bf16 gradient and
-weight copy); its % of the ceiling is against its own probe (the same loads
+scale per 256 elements each) moves 16.02 bytes per parameter (bf16 gradient
+and weight copy); its % of the ceiling is against its own probe (the same loads
 and stores, trivial arithmetic). It is timed twice: on plain random moments,
 and on moments spread over the codes' whole range, as a trained model's are
 (benchmarks/q8_spread.py). "int8_m24" (the same moments, 24-bit masters)
-moves 12 bytes per parameter, and is timed the same three ways.
+moves 14.02 bytes per parameter, and is timed the same three ways.
 Writes JSON (and a PNG of the sweep when matplotlib is present).
 """
 
@@ -29,8 +29,9 @@ from benchmarks.common import interleaved_medians, machine_info, write_json  # n
 from twinflow import ops  # noqa: E402
 
 BYTES_PER_PARAM = 28
-Q8_BYTES_PER_PARAM = 8 + 2 + 2 + 2 + 2 * 2 / 256  # master r/w, codes r/w, gradient, copy, scales r/w
-M24_BYTES_PER_PARAM = Q8_BYTES_PER_PARAM - 2  # a 24-bit master read and written
+# master r/w, both moments' codes r/w, gradient, copy, both scales r/w per block of 256
+Q8_BYTES_PER_PARAM = 8 + 4 + 2 + 2 + 4 / 256
+M24_BYTES_PER_PARAM = Q8_BYTES_PER_PARAM - 2  # a 24-bit master read and written: 3 + 3 bytes, not 4 + 4
 
 
 def fp32_set(n: int, gen: torch.Generator) -> dict:

@@ -201,3 +201,24 @@ def test_on_cuda_with_bf16_weights_it_trains_like_the_fp32_state(attach: bool) -
         assert opt.split_summary["cpu"]["state_precision"] == precision and opt.split_summary["cpu"]["elements"] > 0
     for precision in COMPACT:
         assert abs(losses[precision] - losses["fp32"]) / losses["fp32"] < 0.02, losses
+
+
+@pytest.mark.parametrize("precision", COMPACT)
+def test_masters_follow_weights_written_from_outside(precision: str) -> None:
+    """model.load_state_dict between steps: the next step starts from the new weights (24-bit masters: rounded to
+    the nearest of them), not from the masters' old values. Ratio 1: every element has a CPU master."""
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, chunk_bytes=4096, state_precision=precision)
+    train(model, opt, 3)
+    new = make(seed=7).state_dict()
+    model.load_state_dict(new)
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # the step changes nothing but what the masters hold
+    train(model, opt, 1)
+    assert opt.split_summary["cpu"]["elements"] > 0
+    for name, p in model.named_parameters():
+        expected = new[name]
+        if precision == "int8_m24":
+            expected = compact.decode_master(*compact.encode_master(expected)).view(p.shape)
+        assert torch.equal(p.detach(), expected), name
+        assert not torch.equal(expected, make().state_dict()[name])  # not the old weights either
