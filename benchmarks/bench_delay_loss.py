@@ -156,6 +156,9 @@ def main() -> None:
         names = [name for part in parts for name in part["runs"]]
         if "exact" not in runs or len(runs) < 2 or len(names) != len(runs):
             raise SystemExit(f"--merge: expected the exact run and one or more others, each once; got {names}")
+        settings = {(p["model"], p["steps"], p["ratio"], p["micro_batch"], p["lr"]) for p in parts}
+        if len(settings) > 1:
+            raise SystemExit(f"--merge: the runs differ in (model, steps, ratio, micro-batch, lr): {sorted(settings)}")
         mode = next(part["mode"] for part in parts if part["mode"] in runs)
         finish(args, parts[0] | {"mode": mode, "command": [p["command"] for p in parts]}, runs)
         return

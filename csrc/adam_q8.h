@@ -99,9 +99,11 @@ inline typename V::reg m24_decode(const Q8Span& s, int64_t i) {
 }
 
 // A float32 master to 24 bits, rounded up in magnitude with the probability that keeps it right on average
-// (noise: 8 random bits per lane); stores it and returns its top 24 bits (the pattern shifted right by 8).
+// (noise: 8 random bits per lane); stores it and returns its top 24 bits (the pattern shifted right by 8). A NaN
+// is cut, not rounded: with its payload all ones (CUDA's NaN) the add would carry into the sign, giving -0.
 template <class V>
 inline typename V::ireg m24_encode(const Q8Span& s, int64_t i, typename V::reg x, typename V::ireg noise) {
+  noise = V::select_ge(V::abs(x), V::set1(0.0f), noise, V::iset1(0));  // false only for NaN
   const typename V::ireg t = V::template srl<8>(V::iadd(V::bits(x), noise));
   V::store(s.master_hi + i, V::template srl<8>(t));
   V::store(s.master_lo + i, V::iand(t, V::iset1(0xFF)));

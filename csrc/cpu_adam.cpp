@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "adam_span.h"
@@ -109,10 +110,10 @@ void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_
     check_tensor(grads[i], "grads", i, p);
     // (the 8-bit op passes its params here in their place: their dtype is the masters')
     TORCH_CHECK_TYPE(exp_avgs[i].scalar_type() == master_dtype, "exp_avgs[", i, "] has dtype ",
-                     exp_avgs[i].scalar_type(), "; expected float32");
+                     exp_avgs[i].scalar_type(), "; expected ", master_dtype);
     check_tensor(exp_avgs[i], "exp_avgs", i, p);
     TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == master_dtype, "exp_avg_sqs[", i, "] has dtype ",
-                     exp_avg_sqs[i].scalar_type(), "; expected float32");
+                     exp_avg_sqs[i].scalar_type(), "; expected ", master_dtype);
     check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, p);
     TORCH_CHECK_VALUE(steps[i] >= 1, "steps[", i, "] must be >= 1 (the step count after this update), got ",
                       steps[i]);
@@ -259,8 +260,15 @@ int64_t cpu_simd_level() { return best_simd(); }
 int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
 
 // Every 8-bit argument is checked before anything is written (the float32 path's rules for the rest).
-void check_q8_args(at::TensorList params, at::TensorList m_codes, at::TensorList m_scales, at::TensorList v_codes,
-                   at::TensorList v_scales, at::IntArrayRef index_bases, at::TensorList master_lows) {
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+void check_q8_args(at::TensorList params, at::TensorList grads, at::TensorList out_copies, at::TensorList m_codes,
+                   at::TensorList m_scales, at::TensorList v_codes, at::TensorList v_scales,
+                   at::IntArrayRef index_bases, at::TensorList master_lows) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(master_lows.empty() || master_lows.size() == n,
                     "adam_step_q8_: master_lows must be empty (float32 masters) or have one tensor per param (24-bit "
@@ -298,6 +306,13 @@ void check_q8_args(at::TensorList params, at::TensorList m_codes, at::TensorList
       TORCH_CHECK_TYPE(lo.scalar_type() == at::kByte, "master_lows[", i, "] has dtype ", lo.scalar_type(),
                        "; expected Byte (a 24-bit master's low 8 bits)");
       check_tensor(lo, "master_lows", i, p);
+      // Pass 2 writes the weight copy after pass 1 read the gradient and the master: neither may share their memory.
+      for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&grads[i], "grads"},
+                                    {out_copies.empty() ? nullptr : &out_copies[i], "out_copies"}}) {
+        TORCH_CHECK_VALUE(t == nullptr || (!overlaps(*t, p) && !overlaps(*t, lo)), name, "[", i,
+                          "] shares memory with the 24-bit master of params[", i,
+                          "] (its bfloat16 top half or master_lows); pass a separate tensor");
+      }
     }
   }
 }
@@ -312,7 +327,7 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
   const bool m24 = !master_lows.empty();
   check_args(params, grads, params, params, out_copies, {}, steps, lr, beta1, beta2, eps, weight_decay, simd,
              m24 ? at::kBFloat16 : at::kFloat);
-  check_q8_args(params, m_codes, m_scales, v_codes, v_scales, index_bases, master_lows);
+  check_q8_args(params, grads, out_copies, m_codes, m_scales, v_codes, v_scales, index_bases, master_lows);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), "adam_step_q8_: grad_scale must be finite, got ", grad_scale);
   const size_t n = params.size();
   const std::vector<AdamConsts> consts =

@@ -268,3 +268,53 @@ def test_a_v_below_its_blocks_range_keeps_the_lowest_code(simd: str) -> None:
     assert (exact_v < 2.0**-30 * v.view(-1, 256).amax(dim=1).repeat_interleave(256)).sum() > 100  # below range
     assert not ((v == 0) & (m != 0)).any()
     assert largest < 10, largest
+
+
+def test_24_bit_masters_keep_nan_and_inf(simd: str) -> None:
+    """A NaN gradient makes a NaN master, which must stay NaN: with an all-ones payload (CUDA's NaN, 0x7FFFFFFF, or
+    its negative) adding rounding noise would carry into the sign and leave -0 or +0. Infinities stay infinite."""
+    n = 64
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    patterns = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32).repeat(n // 4 + 1)[: n // 2]
+    grad[: n // 2] = patterns.view(torch.float32)
+    grad[n // 2 : n // 2 + 4] = float("inf")
+    p, state = masters([torch.randn(n, generator=torch.Generator().manual_seed(10))], "m24")[0], fresh(n)
+    out = torch.zeros(n)
+    kernel_step([p], [grad], [state], 1, [0], hyper, 1.0, simd, outs=[out])
+    assert torch.isnan(p.float()[: n // 2]).all() and torch.isnan(out[: n // 2]).all()
+    hi, lo = compact.encode_master(torch.cat([patterns.view(torch.float32), torch.tensor([float("inf"), -1e30])]),
+                                   torch.full((n // 2 + 2,), 255, dtype=torch.int64))  # fmt: skip
+    back = compact.decode_master(hi, lo)
+    assert torch.isnan(back[: n // 2]).all() and back[n // 2] == float("inf") and back[-1] < -9.9e29
+
+
+def test_24_bit_masters_refuse_a_weight_copy_or_gradient_in_their_memory() -> None:
+    """The weight copy is written in pass 2, after the master was read: a copy into the master's own bfloat16 half
+    (natural to try, as it is a bfloat16 tensor) would corrupt it. Refused before anything is written."""
+    n = 300
+    p, state = masters([torch.randn(n)], "m24")[0], fresh(n)
+    kept_hi, kept_lo = p.hi.clone(), p.lo.clone()
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    with pytest.raises(ValueError, match=r"out_copies\[0\] shares memory with the 24-bit master of params\[0\]"):
+        kernel_step([p], [torch.randn(n)], [state], 1, [0], hyper, 1.0, None, outs=[p.hi])
+    with pytest.raises(ValueError, match=r"grads\[0\] shares memory with the 24-bit master"):
+        kernel_step([p], [p.hi], [state], 1, [0], hyper, 1.0, None)
+    with pytest.raises(TypeError, match=r"master_lows\[0\] has dtype Char; expected Byte"):
+        kernel_step([compact.Master24(p.hi, p.lo.view(torch.int8))], [torch.randn(n)], [state], 1, [0], hyper, 1.0,
+                    None)  # fmt: skip
+    assert torch.equal(p.hi, kept_hi) and torch.equal(p.lo, kept_lo) and not state["m_scales"].any()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_24_bit_masters_write_float32_and_float16_copies(simd: str, out_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    n = 1000
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
+    p, ref, state, ref_state = *masters([torch.randn(n, generator=gen)] * 2, "m24"), fresh(n), fresh(n)
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen)
+        out = torch.full((n,), float("nan"), dtype=out_dtype)  # poisoned
+        kernel_step([p], [g], [state], step, [0], hyper, 1.0, simd, outs=[out])
+        p_new, ref_state, _, _ = reference_step(ref, g, ref_state, step, 0, hyper, 1.0)
+        assert torch.equal(out, p_new.to(out_dtype)) and torch.equal(p.float(), p_new)

@@ -10,7 +10,9 @@ from twinflow.tune import (
     Inputs,
     NoRatioFits,
     choose_ratio,
+    host_available_bytes,
     host_bytes_per_element,
+    local_ranks,
     predict_host,
     predict_peak,
     predict_time,
@@ -242,6 +244,54 @@ def test_host_bytes_per_element_count_state_and_staging() -> None:
     assert host_bytes_per_element("int8", 2, delayed=False, speculative=False) == 8 + 2 / 256
     assert host_bytes_per_element("int8_m24", 2, delayed=True, speculative=False) == 9 + 2 / 256
     assert host_bytes_per_element("fp32", 4, delayed=False, speculative=True) == 12 + 8 + 12  # the second state set
+    assert host_bytes_per_element("int8", 2, delayed=False, speculative=True) == 8 + 2 / 256  # never speculates
+
+
+def fake_host(tmp_path, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return f"{tmp_path}/"
+
+
+MEMINFO = "MemTotal:       131072000 kB\nMemAvailable:   100000000 kB\n"
+
+
+def test_host_memory_is_meminfo_or_the_cgroups_room(tmp_path) -> None:
+    """MemAvailable alone; under a cgroup v2 limit (found through /proc/self/cgroup) its room, with droppable
+    page cache not counted as used; a v2 group without a limit; cgroup v1; nothing readable at all."""
+    assert host_available_bytes(fake_host(tmp_path / "a", {"proc/meminfo": MEMINFO})) == 100000000 * 1024
+    v2 = {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/job.slice/step_0\n",
+          "sys/fs/cgroup/job.slice/step_0/memory.max": f"{40 * GIB}\n",
+          "sys/fs/cgroup/job.slice/step_0/memory.current": f"{30 * GIB}\n",
+          "sys/fs/cgroup/job.slice/step_0/memory.stat": f"anon {20 * GIB}\ninactive_file {8 * GIB}\n",
+          "sys/fs/cgroup/memory.max": "max\n"}  # fmt: skip
+    assert host_available_bytes(fake_host(tmp_path / "b", v2)) == 18 * GIB  # 40 - (30 - 8)
+    unlimited = v2 | {"sys/fs/cgroup/job.slice/step_0/memory.max": "max\n"}
+    assert host_available_bytes(fake_host(tmp_path / "c", unlimited)) == 100000000 * 1024
+    v1 = {"proc/meminfo": MEMINFO, "sys/fs/cgroup/memory/memory.limit_in_bytes": f"{16 * GIB}\n",
+          "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{10 * GIB}\n",
+          "sys/fs/cgroup/memory/memory.stat": f"total_inactive_file {GIB}\n"}  # fmt: skip
+    assert host_available_bytes(fake_host(tmp_path / "d", v1)) == 7 * GIB
+    assert host_available_bytes(f"{tmp_path}/nothing/") == float("inf")
+
+
+def test_ranks_on_one_host_share_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_ranks() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert local_ranks() == 4
+
+
+def test_auto_counts_only_trainable_parameters() -> None:
+    """A frozen base (LoRA-like) takes no optimizer state: counting it would plan host and device memory for
+    elements that never get any."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    opt = TwinFlowAdam(model.parameters(), ratio="auto").attach(model)
+    torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+    opt.step()
+    assert opt.auto_decision["inputs"]["elements"] == 64 * 4 + 4
 
 
 @pytest.mark.parametrize("host_gib", [30, 40, 60])

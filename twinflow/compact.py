@@ -182,8 +182,10 @@ def decode_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def encode_master(x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) of float32 values `x`; `noise`: 8 random bits per element (the kernel's: the low 8 of
     :func:`kernel_noise`), else to the nearest (ties away from zero, as a load does)."""
-    bits = x.reshape(-1).to(_F32).view(torch.int32).to(torch.int64) & _M32
-    t = ((bits + (noise if noise is not None else 0x80)) & _M32) >> 8
+    x = x.reshape(-1).to(_F32)
+    bits = x.view(torch.int32).to(torch.int64) & _M32
+    noise = torch.where(torch.isnan(x), 0, noise if noise is not None else 0x80)  # a NaN is cut: no carry into the sign
+    t = ((bits + noise) & _M32) >> 8
     hi = (t >> 8).to(torch.int32).to(torch.int16).view(torch.bfloat16)  # 16-bit pattern: wraps to int16
     return hi, (t & 0xFF).to(torch.uint8)
 
@@ -219,7 +221,7 @@ class Master24:
         return decode_master(self.hi, self.lo)
 
     def copy_(self, src: torch.Tensor) -> Master24:
-        hi, lo = encode_master(src)
+        hi, lo = encode_master(src.detach().reshape(-1).cpu())  # encoded on the host: no device scratch memory
         self.hi.copy_(hi)
         self.lo.copy_(lo)
         return self

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from twinflow.compact import Master24
+
 PLACEMENTS = ("first", "last")
 
 
@@ -70,7 +72,7 @@ class SegmentState:
     """A segment's optimizer state, on its side; the only owner of these tensors."""
 
     seg: Segment
-    master: torch.Tensor  # fp32; for a float32 parameter on the device side, the parameter slice itself
+    master: torch.Tensor | Master24  # fp32 (device side, float32 parameter: its own slice); CPU int8_m24: 24-bit
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     device_step: torch.Tensor | None = None  # device side: the fused kernel's step counter

@@ -271,7 +271,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """ratio="auto": measure, decide, build the state (first step only)."""
         a = self._attachment
         self.auto_decision = self._probe.decide(
-            self._split.locals,  # what this process steps: under FSDP2 its shards, not the whole model
+            [x for x, p in zip(self._split.locals, self._split.params) if p.requires_grad],  # FSDP2: its shards
             upcast_elements=device_side.UPCAST_ELEMENTS, placement=self.placement, eager=a is not None and a.eager,
             release_grads=a is not None and a.release_grads, margin=self.memory_margin, budget=self.memory_budget,
             num_threads=self.num_threads, delayed=self.delay_after is not None, speculative=speculation.planned(self),

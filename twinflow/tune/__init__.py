@@ -37,7 +37,8 @@ F and B: forward and backward time):
   parameter's bytes, twice with the delayed update or speculation; + 12
   for speculation's second state set). The host budget is what the host can
   still give when the first step begins (``MemAvailable``, or less under a
-  cgroup limit), less ``margin`` of it.
+  cgroup limit), less ``margin`` of it, split evenly between the job's
+  ranks on the host (torchrun's ``LOCAL_WORLD_SIZE``).
 
 The choice: among ratios whose predicted peak fits the memory budget (what
 the device can give, or a smaller ``budget`` in bytes, less ``margin`` of it)
@@ -58,8 +59,10 @@ user may opt into; auto never changes the precision itself.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,31 +107,57 @@ def predict_host(inputs: Inputs, ratio: float) -> float:
 def host_bytes_per_element(precision: str, staging_bytes: float, delayed: bool, speculative: bool) -> float:
     """The CPU share's host memory per element: state in `precision`, pinned staging of `staging_bytes` (the
     parameter's itemsize), twice under the delayed update or speculation, plus speculation's second state set."""
-    second_set = 12 if speculative and precision == "fp32" else 0  # 8-bit state never speculates
+    speculative = speculative and precision == "fp32"  # compact state never speculates
+    second_set = 12 if speculative else 0
     return compact.BYTES_PER_ELEMENT[precision] + staging_bytes * (2 if delayed or speculative else 1) + second_set
 
 
-def host_available_bytes() -> float:
-    """What this process may still take of host memory: MemAvailable, or less under a cgroup v2 limit (inf where
-    neither can be read)."""
-    available = float("inf")
+def _read(path: str) -> str | None:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
+        return Path(path).read_text()
     except OSError:
-        pass
+        return None
+
+
+def _cgroup_room(limit: str | None, usage: str | None, stat: str | None, inactive_key: str) -> float:
+    """A cgroup's limit less its usage, page cache it can drop (inactive file pages) not counted as used."""
+    if limit is None or usage is None or not limit.strip().isdigit():  # "max" (v2) or unreadable: no limit
+        return float("inf")
+    if int(limit) >= 1 << 60:  # cgroup v1 writes "no limit" as a huge number
+        return float("inf")
+    stats = dict(line.split() for line in (stat or "").splitlines() if len(line.split()) == 2)
+    used = int(usage) - int(stats.get(inactive_key, 0))
+    return float(max(0, int(limit) - used))
+
+
+def host_available_bytes(root: str = "/") -> float:
+    """What this process may still take of host memory: MemAvailable, or less under its cgroup's limit (v2: the
+    group /proc/self/cgroup names, else the root group; v1: the memory controller's). inf where none can be read.
+    `root`: prefixed to every path (tests)."""
+    available = float("inf")
+    for line in (_read(f"{root}proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    groups = [line.split(":", 2)[2] for line in (_read(f"{root}proc/self/cgroup") or "").splitlines()
+              if line.startswith("0::")]  # fmt: skip
+    for group in [g.strip().strip("/") for g in groups] + [""]:
+        base = f"{root}sys/fs/cgroup/{group}/".replace("//", "/")
+        if _read(base + "memory.max") is not None:
+            room = _cgroup_room(_read(base + "memory.max"), _read(base + "memory.current"),
+                                _read(base + "memory.stat"), "inactive_file")  # fmt: skip
+            return min(available, room)
+    v1 = f"{root}sys/fs/cgroup/memory/"
+    room = _cgroup_room(_read(v1 + "memory.limit_in_bytes"), _read(v1 + "memory.usage_in_bytes"),
+                        _read(v1 + "memory.stat"), "total_inactive_file")  # fmt: skip
+    return min(available, room)
+
+
+def local_ranks() -> int:
+    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE; 1 without it): they share its memory."""
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read().strip())
-        if limit != "max":
-            available = min(available, max(0, int(limit) - current))
-    except (OSError, ValueError):
-        pass
-    return available
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class NoRatioFits(ValueError):
@@ -351,7 +380,7 @@ class IterationProbe:
             capacity = free + torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             at_step = torch.cuda.memory_allocated(self.device)
-            host_budget = host_available_bytes() * (1 - margin)
+            host_budget = host_available_bytes() * (1 - margin) / local_ranks()  # each rank its share
         else:  # both sides' state is in host memory then: the ratio does not change how much
             capacity, peak, at_step, host_budget = 1 << 62, 0, 0, float("inf")
         # The margin stays free below whichever limit applies (a 30 GiB budget plans for 27 GiB at margin 0.1).
