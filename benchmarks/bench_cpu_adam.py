@@ -75,18 +75,16 @@ def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor, probe: 
     p = torch.randn(n, generator=gen)
     g = spread_grad(n, gen, spread) if spread else torch.randn(n, generator=gen).bfloat16()
     state = compact.fresh(n)
-    extra = {}
-    if m24:
-        master = compact.Master24.empty(n).copy_(p)
-        p, extra = master.hi, {"master_lows": [master.lo]}
+    params, extra = compact.kernel_masters([compact.Master24.empty(n).copy_(p) if m24 else p])
     step = [0]
 
     def run() -> None:
         step[0] += 1
         if probe:
-            ops.bandwidth_probe_q8_([p], [g], *([t] for t in state), out_copies=[out], num_threads=threads, **extra)
+            ops.bandwidth_probe_q8_(params, [g], *([t] for t in state), out_copies=[out], num_threads=threads,
+                                    **extra)  # fmt: skip
             return
-        ops.adam_step_q8_([p], [g], *([t] for t in state), [step[0]], lr=1e-4,
+        ops.adam_step_q8_(params, [g], *([t] for t in state), [step[0]], lr=1e-4,
                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out_copies=[out],
                           num_threads=threads, **extra)  # fmt: skip
 

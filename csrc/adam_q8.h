@@ -93,9 +93,10 @@ inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg noise, con
 }
 
 // A 24-bit master (state_precision "int8_m24"): the float32 whose top 24 bits are hi (16) and lo (8), the rest 0.
+// hi loads as the bfloat16 it is (its bits already in the top half); lo fills the next byte.
 template <class V>
 inline typename V::reg m24_decode(const Q8Span& s, int64_t i) {
-  return V::from_bits(V::ior(V::template sll<16>(V::load(s.master_hi + i)), V::template sll<8>(V::load(s.master_lo + i))));
+  return V::from_bits(V::ior(V::bits(V::load(s.master_hi + i)), V::template sll<8>(V::load(s.master_lo + i))));
 }
 
 // A float32 master to 24 bits, rounded up in magnitude with the probability that keeps it right on average
@@ -105,7 +106,7 @@ template <class V>
 inline typename V::ireg m24_encode(const Q8Span& s, int64_t i, typename V::reg x, typename V::ireg noise) {
   noise = V::select_ge(V::abs(x), V::set1(0.0f), noise, V::iset1(0));  // false only for NaN
   const typename V::ireg t = V::template srl<8>(V::iadd(V::bits(x), noise));
-  V::store(s.master_hi + i, V::template srl<8>(t));
+  V::store(&s.master_hi[i].bits, V::template srl<8>(t));
   V::store(s.master_lo + i, V::iand(t, V::iset1(0xFF)));
   return t;
 }

@@ -91,7 +91,7 @@ struct Q8Span {
   Body body;
   // state_precision "int8_m24": the float32 master's top 16 bits (a bfloat16) and its next 8, stochastically
   // rounded to them at every step (adam_q8.h); both nullptr when `param` holds float32 masters.
-  uint16_t* master_hi;
+  bf16_t* master_hi;
   uint8_t* master_lo;
 };
 

@@ -341,7 +341,7 @@ void adam_step_q8_impl(at::TensorList params, at::TensorList grads, at::TensorLi
                            v_scales[i].data_ptr<uint8_t>(), has_out ? out_copies[i].data_ptr() : nullptr,
                            params[i].numel(), static_cast<uint32_t>(index_bases[i]), static_cast<uint32_t>(steps[i]),
                            dtype_of(grads[i]), has_out ? dtype_of(out_copies[i]) : Dtype::kNone, &consts[i], body,
-                           m24 ? static_cast<uint16_t*>(params[i].data_ptr()) : nullptr,
+                           m24 ? static_cast<bf16_t*>(params[i].data_ptr()) : nullptr,
                            m24 ? master_lows[i].data_ptr<uint8_t>() : nullptr});
     first_block[i + 1] = first_block[i] + q8_blocks(params[i].numel());
   }

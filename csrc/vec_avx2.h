@@ -73,7 +73,6 @@ struct VecAvx2 {
     const __m128i w = words(x);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
-  static ireg load(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   // lanes in [0, 0xFFFF]: the unsigned saturation keeps them
   static void store(uint16_t* p, ireg x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));

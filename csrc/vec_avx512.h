@@ -58,7 +58,6 @@ struct VecAvx512 {
   }
   static void store(int8_t* p, ireg x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static void store(uint8_t* p, ireg x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
-  static ireg load(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(uint16_t* p, ireg x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x)); }
   // Stochastic rounding's noise: lowbias32 of index + lane + key (see VecScalarOf::hash).
   static ireg hash(uint32_t index, uint32_t key) {

@@ -87,7 +87,6 @@ struct VecScalarOf {
   static ireg load(const uint8_t* p) { return *p; }
   static void store(int8_t* p, ireg x) { *p = static_cast<int8_t>(x); }
   static void store(uint8_t* p, ireg x) { *p = static_cast<uint8_t>(x); }
-  static ireg load(const uint16_t* p) { return *p; }
   static void store(uint16_t* p, ireg x) { *p = static_cast<uint16_t>(x); }
   // Stochastic rounding's noise: lowbias32 (Wellons) of index + key.
   static ireg hash(uint32_t index, uint32_t key) {

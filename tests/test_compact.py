@@ -55,9 +55,9 @@ def test_cpu_side_steps_are_the_kernels_bit_for_bit(precision: str) -> None:
         with torch.no_grad():
             grads = [p.grad.view(-1) for p in params]
             flat = [p.view(-1) for p in params]
-            extra = {"out_copies": flat, "master_lows": [m.lo for m in m24]} if m24 else {}
-            ops.adam_step_q8_([m.hi for m in m24] if m24 else flat, grads, *zip(*state), [step] * len(params),
-                              lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, **extra)  # fmt: skip
+            masters, extra = compact.kernel_masters(m24 or flat)
+            ops.adam_step_q8_(masters, grads, *zip(*state), [step] * len(params), lr=1e-2, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.1, **extra, **({"out_copies": flat} if m24 else {}))  # fmt: skip
         direct.zero_grad()
     opt.synchronize()
     for i, (p, q) in enumerate(zip(model.parameters(), direct.parameters())):

@@ -51,11 +51,11 @@ def fresh(n: int) -> dict:
 
 def kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs=None, threads=3):
     """`params`: float32 tensors, or Master24s (24-bit masters)."""
-    m24 = bool(params) and isinstance(params[0], compact.Master24)
-    ops.adam_step_q8_([p.hi for p in params] if m24 else params, grads, [s["m_codes"] for s in states],
-                      [s["m_scales"] for s in states], [s["v_codes"] for s in states], [s["v_scales"] for s in states],
-                      [step] * len(params), index_bases=bases, grad_scale=scale, out_copies=outs, num_threads=threads,
-                      simd=simd, master_lows=[p.lo for p in params] if m24 else None, **hyper)  # fmt: skip
+    params, m24 = compact.kernel_masters(params)
+    ops.adam_step_q8_(params, grads, [s["m_codes"] for s in states], [s["m_scales"] for s in states],
+                      [s["v_codes"] for s in states], [s["v_scales"] for s in states], [step] * len(params),
+                      index_bases=bases, grad_scale=scale, out_copies=outs, num_threads=threads, simd=simd, **m24,
+                      **hyper)  # fmt: skip
 
 
 def masters(values: list[torch.Tensor], kind: str) -> list:

@@ -190,6 +190,14 @@ def encode_master(x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[t
     return hi, (t & 0xFF).to(torch.uint8)
 
 
+def kernel_masters(masters: list) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """The 8-bit op's ``params`` for these masters, and its keyword arguments for them: float32 tensors as they
+    are; 24-bit ones (:class:`Master24`) as their top halves, with their low bytes as ``master_lows``."""
+    if masters and isinstance(masters[0], Master24):
+        return [m.hi for m in masters], {"master_lows": [m.lo for m in masters]}
+    return list(masters), {}
+
+
 class Master24:
     """A flat range of 24-bit masters: ``hi`` (bfloat16, the top 16 bits) and ``lo`` (uint8, the next 8).
 

@@ -782,12 +782,10 @@ class HostPipeline:
                          adamw_mode=g["adamw_mode"], bias_correction=g["bias_correction"], grad_scale=scale,
                          num_threads=self.num_threads)  # fmt: skip
             if group_pieces[0].q8 is not None:  # 8-bit moments: in place, never speculative
-                masters = [pc.master for pc in group_pieces]
-                m24 = isinstance(masters[0], compact.Master24)  # 24-bit masters: the top 16 bits stand for them
-                ops.adam_step_q8_([m.hi for m in masters] if m24 else masters, hosts,
-                                  *zip(*(pc.q8 for pc in group_pieces)), [args.steps[pc.param] for pc in group_pieces],
-                                  out_copies=hosts, index_bases=[pc.start for pc in group_pieces],
-                                  master_lows=[m.lo for m in masters] if m24 else None, **hyper)  # fmt: skip
+                masters, m24 = compact.kernel_masters([pc.master for pc in group_pieces])
+                ops.adam_step_q8_(masters, hosts, *zip(*(pc.q8 for pc in group_pieces)),
+                                  [args.steps[pc.param] for pc in group_pieces], out_copies=hosts,
+                                  index_bases=[pc.start for pc in group_pieces], **m24, **hyper)  # fmt: skip
                 continue
             current = [pc.state(pc.flipped) for pc in group_pieces]
             written = [pc.state(not pc.flipped) for pc in group_pieces] if apart else current

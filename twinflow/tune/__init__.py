@@ -277,19 +277,18 @@ def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS, st
     state in `state_precision` ("fp32", "int8" or "int8_m24")."""
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(elements, generator=gen), torch.randn(elements, generator=gen).bfloat16()
-    extra = {}
+    params, extra = [p], {}
     if state_precision == "fp32":
         moments, kernel = [torch.zeros(elements), torch.zeros(elements)], ops.adam_step_
     else:
         moments, kernel = compact.fresh(elements), ops.adam_step_q8_
         if state_precision == "int8_m24":
-            master = compact.Master24.empty(elements).copy_(p)
-            p, extra = master.hi, {"master_lows": [master.lo]}
+            params, extra = compact.kernel_masters([compact.Master24.empty(elements).copy_(p)])
     step = [0]
 
     def run() -> None:
         step[0] += 1
-        kernel([p], [g], *([t] for t in moments), [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
+        kernel(params, [g], *([t] for t in moments), [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
                out_copies=[g], num_threads=num_threads, **extra)  # fmt: skip
 
     return elements / _timed(run, 3, cuda=False)
