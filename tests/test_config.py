@@ -332,3 +332,177 @@ def test_example_configs_load_without_any_warning(path: Path, caplog: pytest.Log
         with caplog.at_level(logging.DEBUG):
             load_config(path, world_size=1)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# A Hugging Face Trainer ZeRO-3 config as its documentation gives it: the Trainer fills in every "auto".
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+AUTO_EXPLAINED = (
+    '"auto" is not supported: the Hugging Face Trainer\'s DeepSpeed integration fills it in, and twinflow reads the '
+    "config as written; "
+)
+
+
+def test_hf_trainer_auto_values_are_each_named_with_what_to_write() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(HF_ZERO3, world_size=1)
+    lines = str(error.value).split("\n  - ")[1:]
+    named = {line.partition(" = ")[0] for line in lines}
+    # every "auto" twinflow reads is named; those in keys twinflow ignores (reduce_bucket_size, ...) are not problems
+    assert named == {
+        "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+        "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+    }  # fmt: skip
+    assert all(f' = "auto": {AUTO_EXPLAINED}write ' in line for line in lines), lines
+    assert "expected a number, got a string" not in str(error.value)
+
+
+@pytest.mark.parametrize("key, value, instead", [
+    ("optimizer.params.lr", "auto", "write a number instead, e.g. the default 0.001 (or leave the key out)"),
+    ("optimizer.params.eps", "auto", "write a number instead, e.g. the default 1e-08 (or leave the key out)"),
+    ("optimizer.params.betas", "auto",
+     "write a list of two numbers [beta1, beta2] instead, e.g. the default [0.9, 0.999] (or leave the key out)"),
+    ("optimizer.params.betas", [0.9, "auto"], "write a number instead, e.g. the default 0.999 (or leave the key out)"),
+    ("bf16.enabled", "auto", "write true or false instead, e.g. the default false (or leave the key out)"),
+    ("fp16.initial_scale_power", "Auto", "write a number instead, e.g. the default 16 (or leave the key out)"),
+    ("train_micro_batch_size_per_gpu", "auto", "write a number instead, or leave the key out"),
+    ("steps_per_print", "auto", "write a number instead, e.g. the default 10 (or leave the key out)"),
+    ("zero_optimization.stage", "auto", "write a number instead, e.g. the default 0 (or leave the key out)"),
+    ("scheduler.params.warmup_num_steps", "auto",
+     "write a number instead, e.g. the default 1000 (or leave the key out)"),
+    ("scheduler.params.total_num_steps", "auto", "write a number instead (the key is required)"),
+])  # fmt: skip
+def test_auto_names_the_key_and_the_number_to_write(key: str, value: object, instead: str) -> None:
+    raw = _nested(key, value) | {"train_micro_batch_size_per_gpu": 1}
+    if key == "train_micro_batch_size_per_gpu":
+        raw[key] = value
+    if key.startswith("scheduler"):
+        raw["scheduler"]["type"] = "WarmupDecayLR"
+        raw["scheduler"]["params"] = {"total_num_steps": 100} | raw["scheduler"]["params"]
+    with pytest.raises(ConfigError) as error:
+        load_config(raw)
+    shown = key + ("[1]" if isinstance(value, list) else "")
+    (line,) = str(error.value).split("\n  - ")[1:]
+    assert line == f"{shown} = {json.dumps(value if isinstance(value, str) else value[1])}: {AUTO_EXPLAINED}{instead}"
+
+
+def test_auto_in_the_nested_offload_ratio_points_at_offload_ratio() -> None:
+    raw = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "auto"}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(AUTO_EXPLAINED) + r'.*set "offload_ratio": "auto" at the top'):
+        load_config(raw)
+
+
+@pytest.mark.parametrize("written", ["auto", "AUTO", " Auto "])
+def test_offload_ratio_auto_is_accepted(written: str) -> None:
+    base = {"train_micro_batch_size_per_gpu": 1}
+    config = load_config(base | {"offload_ratio": written})
+    assert config.offload_ratio == "auto" and config.ratio == "auto"
+    # with the nested device "cpu" (no nested ratio) it is the same request
+    config = load_config(
+        base | {"offload_ratio": written, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    )
+    assert config.ratio == "auto"
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"offload_ratio": "auto", "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.4}}},
+     r'offload_ratio = "auto" disagrees with zero_optimization\.offload_optimizer\.ratio = 0\.4'),
+    ({"offload_ratio": "auto", "zero_optimization": {"offload_optimizer": {"device": "none"}}},
+     r'offload_ratio = "auto" contradicts zero_optimization\.offload_optimizer\.device = "none"'),
+    ({"offload_ratio": "auto", "zero_optimization": {"cpu_offload": True}},
+     r'cpu_offload = true \(ratio 1\.0\) contradicts offload_ratio = "auto"'),
+    ({"offload_ratio": 1.5}, r'offload_ratio = 1\.5: expected a number in \[0, 1\] or "auto"$'),
+    ({"offload_ratio": "half"}, r'offload_ratio = "half": expected a number in \[0, 1\] or "auto", got a string$'),
+    ({"offload_ratio": True}, r"offload_ratio = true: expected a number, got a boolean$"),
+])  # fmt: skip
+def test_offload_ratio_auto_still_meets_the_offload_checks(patch: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config({"train_micro_batch_size_per_gpu": 1} | patch)
+
+
+def _load_warnings(raw: dict, caplog: pytest.LogCaptureFixture) -> tuple[list[warnings.WarningMessage], list[str]]:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="twinflow.config"):
+        warnings.simplefilter("always")
+        load_config(raw, world_size=1)
+    return caught, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("zero, key, shown", [
+    ({"offload_param": {"device": "cpu", "pin_memory": True}}, "zero_optimization.offload_param",
+     'zero_optimization.offload_param.device = "cpu"'),
+    ({"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "zero_optimization.offload_param",
+     'zero_optimization.offload_param.device = "nvme"'),
+    ({"cpu_offload_params": True}, "zero_optimization.cpu_offload_params",
+     "zero_optimization.cpu_offload_params = true"),
+])  # fmt: skip
+def test_parameter_offload_draws_a_user_warning(zero: dict, key: str, shown: str, caplog) -> None:
+    raw = {"train_micro_batch_size_per_gpu": 1, "offload_ratio": 0.5,
+           "zero_optimization": {"stage": 3, "overlap_comm": True} | zero}  # fmt: skip
+    caught, logged = _load_warnings(raw, caplog)
+    (warning,) = caught
+    assert warning.category is UserWarning and warning.filename == __file__  # points at the caller of load_config
+    text = str(warning.message)
+    assert text.startswith(f"{shown} asks for DeepSpeed's ZeRO-3 parameter offload, which twinflow does not do")
+    assert "parameters stay on the GPU" in text and "only optimizer state is offloaded" in text
+    assert "offload_ratio" in text and text.endswith(f"Remove {key} from the config to silence this warning.")
+    # it has its own warning, so it leaves the ignored keys' line (the others stay there)
+    assert logged == ["twinflow ignores these DeepSpeed keys: zero_optimization.overlap_comm"]
+
+
+@pytest.mark.parametrize("zero", [{"offload_param": {"device": "none"}}, {"offload_param": {"pin_memory": True}},
+                                  {"cpu_offload_params": False}])  # fmt: skip
+def test_parameter_offload_off_is_only_an_ignored_key(zero: dict, caplog) -> None:
+    caught, logged = _load_warnings({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, caplog)
+    assert caught == []
+    assert logged == [f"twinflow ignores these DeepSpeed keys: zero_optimization.{next(iter(zero))}"]
+
+
+def test_a_refused_config_warns_nothing(caplog) -> None:
+    raw = {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "wall_clock_breakdown": False,
+           "zero_optimization": {"offload_param": {"device": "cpu"}, "cpu_offload": False}}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="twinflow.config"):
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="not a multiple"):
+            load_config(raw, world_size=1)
+    assert caught == [] and caplog.records == []
+
+
+def test_schema_names_stay_importable_from_twinflow_config() -> None:
+    import twinflow.config
+    import twinflow.config_schema
+
+    for name in twinflow.config.__all__:
+        assert hasattr(twinflow.config, name), name
+    for name in ("Config", "ConfigError", "OffloadOptimizer", "ZeroOptimization", "WarmupLR", "Number", "Flag"):
+        assert getattr(twinflow.config, name) is getattr(twinflow.config_schema, name)
+    assert twinflow.ConfigError is twinflow.config.ConfigError

@@ -1,7 +1,10 @@
 """twinflow.initialize: the engine loop equals the hand-written one; resume; DDP and ZeRO-1 match one process."""
 
+import logging
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,3 +213,106 @@ def test_two_processes_match_one(tmp_path, stage: int) -> None:
         params = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for got, want in zip(params, engine.module.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _print_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "twinflow.notice" and r.getMessage().startswith("step=")
+    ]
+
+
+def test_steps_per_print_writes_deepspeeds_line_as_a_notice(monkeypatch, caplog) -> None:
+    """Every 2nd step: step, skipped, the mean loss since the last line, lr, the clipped norm, samples/s."""
+    import types
+
+    clock = [0.0]
+    monkeypatch.setattr("twinflow.engine.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    config = CONFIG | {"steps_per_print": 2, "gradient_accumulation_steps": 2,
+                       "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}  # fmt: skip
+    engine, opt, _, sched = twinflow.initialize(model=make_model(), config=config)
+    data = batches(8, 4, seed=9)
+    losses, norms, lrs = [], [], []
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        for step in range(1, 5):
+            clock[0] = 0.25 * step * step  # steps end at 0.25, 1, 2.25, 4 "seconds"
+            losses += engine_losses(engine, data[2 * step - 2 : 2 * step])
+            norms.append(float(opt.last_grad_norm))
+            lrs.append(sched.get_last_lr()[0])
+    opt.synchronize()
+    batch = config["train_micro_batch_size_per_gpu"] * 2
+    assert (
+        _print_lines(caplog)
+        == [
+            f"step=2, skipped=0, loss={sum(losses[:4]) / 4:.5g}, lr=[{lrs[1]:.6g}], grad_norm={norms[1]:.5g}, "
+            f"samples/s={batch / (1.0 - 0.25):.2f}",  # counted from the end of the first step
+            f"step=4, skipped=0, loss={sum(losses[4:]) / 4:.5g}, lr=[{lrs[3]:.6g}], grad_norm={norms[3]:.5g}, "
+            f"samples/s={2 * batch / (4.0 - 1.0):.2f}",
+        ]
+    )
+    assert lrs[1] != lrs[3] and norms[1] != norms[3]  # the line shows each step's own values
+
+
+def test_steps_per_print_leaves_out_what_is_not_known(caplog) -> None:
+    # no clipping: no norm was measured; the first line has no interval to count samples over
+    config = FP16 | {"steps_per_print": 1, "gradient_clipping": 0.0}
+    engine, *_ = twinflow.initialize(model=make_model(), config=config)
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        engine_losses(engine, batches(1, 4, seed=3))
+    engine.local_optimizer.synchronize()
+    (line,) = _print_lines(caplog)
+    assert line.startswith("step=1, skipped=0, loss=") and "grad_norm" not in line and "samples/s" not in line
+
+
+def test_steps_per_print_is_seen_without_configuring_logging() -> None:
+    """A script that configures no logging (the usual first run) gets the line on stderr, as DeepSpeed prints it."""
+    script = (
+        "import torch, twinflow\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "engine, *_ = twinflow.initialize(model=model, config={'train_micro_batch_size_per_gpu': 2, "
+        "'steps_per_print': 2, 'gradient_clipping': 1.0, 'offload_ratio': 0.5})\n"
+        "for _ in range(4):\n"
+        "    engine.backward(model(torch.randn(2, 4)).pow(2).mean())\n"
+        "    engine.step()\n"
+        "engine.local_optimizer.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[twinflow] step=")]
+    assert [line.split(",")[0] for line in lines] == ["[twinflow] step=2", "[twinflow] step=4"], done.stderr
+    assert all(", loss=" in line and ", lr=[0.001]" in line and ", grad_norm=" in line for line in lines)
+    assert done.stdout == ""  # a library's notice goes to stderr
+
+
+def test_offload_ratio_auto_reaches_twinflow_adam_and_resolves_at_the_first_step() -> None:
+    config = {"train_micro_batch_size_per_gpu": 4, "offload_ratio": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+    engine, opt, *_ = twinflow.initialize(model=make_model(), config=config)
+    assert isinstance(opt, TwinFlowAdam) and opt.auto_ratio and opt.ratio is None and opt.auto_decision is None
+    engine_losses(engine, batches(2, 4, seed=4))
+    opt.synchronize()
+    assert isinstance(opt.ratio, float) and 0.0 <= opt.ratio <= 1.0
+    assert opt.auto_decision["ratio"] == opt.ratio and opt.split_summary["ratio_requested"] == "auto"
+
+
+def test_offload_ratio_auto_checkpoints_record_the_chosen_ratio_to_resume_with(tmp_path) -> None:
+    import json
+
+    config = {"train_micro_batch_size_per_gpu": 4, "offload_ratio": "auto"}
+    data = batches(6, 4, seed=8)
+    engine, opt, *_ = twinflow.initialize(model=make_model(), config=config)
+    engine_losses(engine, data[:3])
+    folder = engine.save_checkpoint(tmp_path)
+    uninterrupted = engine_losses(engine, data[3:])
+    saved = json.loads((folder / "meta.json").read_text())["meta"]
+    assert saved["ratio"] == opt.ratio and saved["config"]["offload_ratio"] == "auto"
+
+    undecided, *_ = twinflow.initialize(model=make_model(seed=3), config=config)
+    before = [p.detach().clone() for p in undecided.module.parameters()]
+    with pytest.raises(twinflow.ConfigError, match=r'offload_ratio = "auto": .*set offload_ratio to the ratio'):
+        undecided.load_checkpoint(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(before, undecided.module.parameters()))  # nothing half-loaded
+    assert undecided.global_steps == 0
+
+    fresh, *_ = twinflow.initialize(model=make_model(seed=3), config=config | {"offload_ratio": saved["ratio"]})
+    fresh.load_checkpoint(tmp_path)
+    assert engine_losses(fresh, data[3:]) == uninterrupted

@@ -22,6 +22,12 @@ What it does with a config (see :mod:`twinflow.config`):
   off for 2, on for 3) and TwinFlowAdam, attached, steps each rank's local
   shards as their reduce-scatter lands.
 - checkpoints: :mod:`twinflow.checkpoint` (atomic, one shard per rank).
+- ``steps_per_print``: every that many optimizer steps, rank 0 writes one line
+  through :func:`twinflow.notice.notice` (seen without configuring logging),
+  as DeepSpeed does: step, skipped steps, the loss (mean of this rank's
+  micro-batches since the last line), the learning rates, the gradient norm (when
+  clipping measured it) and samples/s (train_batch_size over the time since
+  the last line, or since the first step).
 
 Refused with a ConfigError: fp16 with stage 1 on several processes.
 """
@@ -29,7 +35,7 @@ Refused with a ConfigError: fp16 with stage 1 on several processes.
 from __future__ import annotations
 
 import contextlib
-import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +43,10 @@ import torch
 
 from twinflow.checkpoint import load_checkpoint, save_checkpoint
 from twinflow.config import Config, ConfigError, load_config
+from twinflow.distributed import rank_and_world
+from twinflow.notice import notice
 from twinflow.schedulers import build_scheduler
 from twinflow.twin_flow_adam import TwinFlowAdam
-
-log = logging.getLogger(__name__)
 
 
 class LossScaler:
@@ -82,6 +88,52 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+class Progress:
+    """The ``steps_per_print`` line: DeepSpeed's step, skipped and lr, plus the mean loss of the micro-batches
+    since the last line, the step's gradient norm and samples/s since the last line.
+
+    Losses stay tensors until a line is written, so steps without a line add no host synchronisation. The
+    clock starts after the first step (its kernel build and ``ratio="auto"`` probe are not throughput).
+    """
+
+    def __init__(self, batch_size: int, print_here: bool) -> None:
+        self.batch_size, self.print_here = batch_size, print_here
+        self._loss_sum: torch.Tensor | None = None
+        self._losses = 0
+        self._clock: tuple[int, float] | None = None  # (global step, time) the samples/s count from
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss (as passed to ``backward``, before any scaling)."""
+        if not self.print_here:
+            return
+        loss = loss.detach().float()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._losses += 1
+
+    def step_done(
+        self, step: int, skipped: int, lrs: list[float], grad_norm: torch.Tensor | float | None, print_now: bool
+    ) -> None:
+        """After optimizer step `step`; writes the line when `print_now` (`grad_norm`: this step's, if measured)."""
+        if not self.print_here:
+            return
+        if not print_now:
+            if self._clock is None:
+                self._clock = (step, time.perf_counter())
+            return
+        parts = [f"step={step}", f"skipped={skipped}"]
+        if self._loss_sum is not None:
+            parts.append(f"loss={float(self._loss_sum) / self._losses:.5g}")
+            self._loss_sum, self._losses = None, 0
+        parts.append("lr=[" + ", ".join(f"{float(lr):.6g}" for lr in lrs) + "]")
+        if grad_norm is not None:
+            parts.append(f"grad_norm={float(grad_norm):.5g}")
+        now = time.perf_counter()  # after the loss and norm reached the host: the work so far is done
+        if self._clock is not None and now > self._clock[1]:
+            parts.append(f"samples/s={(step - self._clock[0]) * self.batch_size / (now - self._clock[1]):.2f}")
+        self._clock = (step, now)
+        notice("%s", ", ".join(parts))
 
 
 class Engine:
@@ -131,6 +183,7 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.progress = Progress(config.train_batch_size, print_here=rank_and_world()[0] == 0)
 
     def _optimizer_kwargs(self, clip: bool) -> dict[str, Any]:
         config = self.config
@@ -168,6 +221,7 @@ class Engine:
             with self._no_sync():
                 scaled.backward()
         self.micro_steps += 1
+        self.progress.add_loss(loss)
 
     def _no_sync(self):
         stack = contextlib.ExitStack()
@@ -180,9 +234,11 @@ class Engine:
         """At an accumulation boundary: optimizer step (clipping inside), scheduler step, gradients cleared."""
         if self.micro_steps % self.config.gradient_accumulation_steps != 0:
             return
+        grad_norm = None
         if self._clip_in_engine:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
         skipped_before = self.local_optimizer.skipped_steps
+        norm_before = getattr(self.local_optimizer, "last_grad_norm", None)  # set by steps that clip
         if self.loss_scaler is not None:
             self.local_optimizer.unscale_(1.0 / self.loss_scaler.scale)
         self.optimizer.step()
@@ -194,9 +250,12 @@ class Engine:
             self.lr_scheduler.step()
         self.skipped_steps += int(overflow)
         self.global_steps += 1
-        if self.global_steps % self.config.steps_per_print == 0:
-            lrs = [g["lr"] for g in self.optimizer.param_groups]
-            log.info("step %d, lr %s", self.global_steps, lrs)
+        norm_after = getattr(self.local_optimizer, "last_grad_norm", None)
+        if grad_norm is None and norm_after is not norm_before:  # this step's norm, not an earlier step's
+            grad_norm = norm_after
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.progress.step_done(self.global_steps, self.skipped_steps, lrs, grad_norm,
+                                print_now=self.global_steps % self.config.steps_per_print == 0)  # fmt: skip
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
@@ -205,12 +264,19 @@ class Engine:
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
                  "skipped_steps": self.skipped_steps,
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}  # fmt: skip
-        meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio}
+        chosen = self.local_optimizer.ratio  # offload_ratio "auto": the ratio chosen at the first step
+        meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio if chosen is None else chosen}
         return save_checkpoint(save_dir, tag, model=self.module, optimizer=self.local_optimizer,
                                scheduler=self.lr_scheduler, extra=extra, meta=meta)  # fmt: skip
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
+        if self.local_optimizer.ratio is None:  # refused before anything is loaded: nothing half-restored
+            raise ConfigError(
+                'offload_ratio = "auto": the ratio is chosen at the first step, and until then the optimizer has no '
+                "state to restore a checkpoint into; to resume, set offload_ratio to the ratio the saved run chose "
+                '("ratio" under "meta" in the checkpoint\'s meta.json)'
+            )
         extra, meta = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                                       scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
