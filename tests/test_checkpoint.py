@@ -1,10 +1,14 @@
 """Checkpoints: resume reproduces the uninterrupted run; a bad checkpoint is refused and changes nothing."""
 
+import logging
+import os
+
 import pytest
 import torch
 
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from twinflow.checkpoint_files import format_bytes
 from twinflow.schedulers import WarmupDecayLR
 
 
@@ -130,3 +134,84 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch: pyt
         load_checkpoint(tmp_path, "new", model=model, optimizer=opt, scheduler=sched)
     monkeypatch.undo()
     load_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
+
+
+def notices(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "twinflow.notice"]
+
+
+def test_a_save_and_a_load_each_end_with_one_notice_of_path_and_size(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="twinflow.notice")
+    model, opt, sched = build()
+    folder = save_checkpoint(tmp_path / "ckpt", "step3", model=model, optimizer=opt, scheduler=sched)
+    size = format_bytes((folder / "rank0.pt").stat().st_size)
+    (line,) = notices(caplog)
+    assert line.startswith("saved checkpoint 'step3' to ") and str(folder) in line and f"({size}, " in line
+    caplog.clear()
+    load_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=sched)
+    (line,) = notices(caplog)
+    assert line.startswith("loaded checkpoint 'step3' from ") and str(folder / "rank0.pt") in line
+    assert f"({size}, " in line
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 bytes"), (999, "999 bytes"), (1000, "1.0 kB"), (999_960, "1.0 MB"), (631_249_999, "631.2 MB"),
+     (1_500_000_000, "1.5 GB")],
+)  # fmt: skip
+def test_sizes_are_written_for_people(n: int, text: str) -> None:
+    assert format_bytes(n) == text
+
+
+class Interrupting:
+    """A stream that raises KeyboardInterrupt at its `at`-th write, as Ctrl-C arriving during that write does."""
+
+    def __init__(self, f, at: int) -> None:
+        self.f, self.at, self.writes = f, at, 0
+
+    def write(self, data) -> int:
+        self.writes += 1
+        if self.writes == self.at:
+            raise KeyboardInterrupt
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@pytest.mark.parametrize("where", ["write 2", "write 40", "rename 1", "rename 2", "rename 3"])
+def test_ctrl_c_during_a_save_raises_keyboard_interrupt_and_leaves_nothing(tmp_path, monkeypatch, where) -> None:
+    """Ctrl-C while torch.save writes the shard (torch's writer wraps it in a RuntimeError), or at a rename."""
+    model, opt, sched = build()
+    save_checkpoint(tmp_path, "old", model=model, optimizer=opt, scheduler=sched)
+    train(model, opt, sched, torch.Generator().manual_seed(5), 1)
+    before = sorted(tmp_path.rglob("*"))
+    kind, at = where.split()
+    if kind == "write":
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if isinstance(obj, dict) and "model" in obj:  # the shard (save_checkpoint also checks extra)
+                f = Interrupting(f, int(at))
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    else:
+        real_replace, renames = os.replace, []
+
+        def replace(src, dst) -> None:
+            renames.append(dst)
+            if len(renames) == int(at):
+                raise KeyboardInterrupt
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, "new", model=model, optimizer=opt, scheduler=sched)
+    monkeypatch.undo()
+    assert sorted(tmp_path.rglob("*")) == before  # no temporary, no marker, no tag folder
+    assert (tmp_path / "latest").read_text() == "old"
+    save_checkpoint(tmp_path, "new", model=model, optimizer=opt, scheduler=sched)  # the next save works
+    model2, opt2, sched2 = build(seed=9)
+    _, meta = load_checkpoint(tmp_path, model=model2, optimizer=opt2, scheduler=sched2)
+    assert meta["tag"] == "new" and all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))

@@ -1,8 +1,12 @@
 """Checkpoint mistakes and damage: each error names the problem and the fix; a failed save leaves nothing behind."""
 
+import builtins
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -245,3 +249,181 @@ def test_a_save_failing_midway_leaves_no_new_file_or_folder(tmp_path, monkeypatc
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path / "a" / "b", "new", model=model, optimizer=opt, scheduler=sched)
     assert listing(tmp_path) == before
+
+
+@pytest.fixture
+def unwritable(monkeypatch: pytest.MonkeyPatch):
+    """Makes a folder unwritable: its permission bits, and where they do not stop this process, refused creations."""
+    made: list[Path] = []
+
+    def refuse(path) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    def make(folder: Path) -> None:
+        folder.chmod(0o555)
+        made.append(folder)
+        try:
+            (folder / "probe").touch()
+        except PermissionError:
+            return  # the bits stop this process
+        (folder / "probe").unlink()  # they do not (root): refuse what the kernel would refuse another user
+        real_open, real_mkdir = builtins.open, os.mkdir
+
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file).parent == folder and set(mode) & set("wax+"):
+                refuse(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def mkdir(path, *args, **kwargs) -> None:
+            if Path(path).parent == folder:
+                refuse(path)
+            real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(os, "mkdir", mkdir)
+
+    yield make
+    for folder in made:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["new_directory", "existing_directory"])
+def test_an_unwritable_directory_is_named_with_the_fix(tmp_path, unwritable, fresh: bool) -> None:
+    model, opt, sched = saved(tmp_path / "ckpt", "old")
+    directory = tmp_path / "ckpt" / "sub" if fresh else tmp_path / "ckpt"
+    before = listing(tmp_path)
+    unwritable(tmp_path / "ckpt")
+    with pytest.raises(PermissionError) as caught:
+        save_checkpoint(directory, "new", model=model, optimizer=opt, scheduler=sched)
+    message = str(caught.value)
+    if fresh:
+        assert f"cannot create the checkpoint directory {str(directory)!r}: {str(tmp_path / 'ckpt')!r}" in message
+    else:
+        assert f"the checkpoint directory {str(directory)!r} is not writable" in message
+    assert f"{str(tmp_path / 'ckpt')!r} is not writable (" in message
+    assert f"chmod u+rwx {str(tmp_path / 'ckpt')!r}) or pass a directory you can write to" in message
+    assert ".tmp" not in message and "rank0.pt" not in message  # the user's directory, not a temporary
+    assert listing(tmp_path) == before
+    load_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=sched)
+
+
+def plain(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model and torch's AdamW after one step (so with state), seeded."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+# Each job forks a child that saves and is SIGKILLed just before or after its k-th rename (1: the shard into the
+# tag folder, 2: meta.json, 3: latest); the driver imports torch once for all of them.
+KILL_DRIVER = """
+import json, os, signal, sys, torch
+torch.set_num_threads(1)  # no thread pool to inherit: the saves run in forked children
+from tests.test_checkpoint_errors import plain
+from twinflow.checkpoint import save_checkpoint
+for directory, tag, k, when in json.loads(sys.argv[1]):
+    model, opt = plain(2)
+    pid = os.fork()
+    if pid == 0:
+        real_replace, renames = os.replace, []
+        def replace(src, dst):
+            renames.append(dst)
+            if len(renames) == k and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_replace(src, dst)
+            if len(renames) == k and when == "after":
+                os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = replace
+        try:
+            save_checkpoint(directory, tag, model=model, optimizer=opt)
+        finally:
+            os._exit(3)  # not killed: the save made fewer renames than k
+    _, status = os.waitpid(pid, 0)  # reaped: no process has this pid now
+    print(pid, os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
+"""
+# (tag, k, when, what the kill left, what the next save or load removes and says so)
+KILL_POINTS = [
+    ("c", 1, "before", "shard temporary", ".c.rank0.pt.tmp"),
+    ("c", 1, "after", "partial tag", "incomplete checkpoint 'c' (rank0.pt, "),
+    ("c", 2, "before", "partial tag", "incomplete checkpoint 'c' (rank0.pt, "),
+    ("c", 2, "after", "complete tag", None),
+    ("c", 3, "before", "complete tag", ".latest.tmp"),
+    ("c", 3, "after", "complete tag", None),
+    ("b", 1, "after", "partial tag", "incomplete checkpoint 'b' (rank0.pt, "),  # 'b' saved again: it was latest
+]
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory) -> tuple[dict[tuple, Path], dict[str, dict]]:
+    """Per kill point, a directory with checkpoints 'a' and 'b' (latest) and what the killed save left."""
+    root = tmp_path_factory.mktemp("killed")
+    jobs, folders, weights = [], {}, {}
+    for point in KILL_POINTS:
+        tag, k, when = point[:3]
+        directory = root / f"{tag}{k}{when}"
+        for name, seed in (("a", 0), ("b", 1)):
+            model, opt = plain(seed)
+            save_checkpoint(directory, name, model=model, optimizer=opt)
+            weights[name] = {key: value.clone() for key, value in model.state_dict().items()}
+        jobs.append([str(directory), tag, k, when])
+        folders[point] = directory
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", KILL_DRIVER, json.dumps(jobs)], env=env, capture_output=True,
+                           text=True, cwd=REPO)  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    assert [line.split()[1] for line in child.stdout.splitlines()] == [str(int(signal.SIGKILL))] * len(jobs)
+    return folders, weights
+
+
+def loads(directory: Path, tag: str | None, weights: dict | None = None) -> str:
+    model, opt = plain(7)
+    _, meta = load_checkpoint(directory, tag, model=model, optimizer=opt)
+    if weights is not None:
+        assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
+    return meta["tag"]
+
+
+@pytest.mark.parametrize("next_call", ["load", "save"])
+@pytest.mark.parametrize("point", KILL_POINTS, ids=lambda p: f"{p[0]}_rename{p[1]}_{p[2]}")
+def test_a_killed_save_keeps_the_old_checkpoints_and_the_next_call_removes_what_it_left(
+    killed_saves, tmp_path, caplog, point, next_call: str
+) -> None:
+    folders, weights = killed_saves
+    tag, _, _, left, removed = point
+    directory = tmp_path / "ckpt"
+    shutil.copytree(folders[point], directory)
+    hidden = [p for p in listing(directory) if Path(p).name.startswith(".")]
+    if left == "shard temporary":
+        assert any(p.startswith(f".{tag}.rank0.pt.tmp") for p in hidden) and not (directory / tag / "rank0.pt").exists()
+    else:  # the tag folder, with its shard; meta.json only once complete
+        assert (directory / tag / "rank0.pt").is_file()
+        assert (directory / tag / "meta.json").is_file() == (left == "complete tag")
+    caplog.set_level(logging.INFO, logger="twinflow.notice")
+    if next_call == "save":
+        model, opt = plain(3)
+        save_checkpoint(directory, "d", model=model, optimizer=opt)
+        assert loads(directory, None, {k: v.clone() for k, v in model.state_dict().items()}) == "d"  # (c)
+    elif tag == "b":  # latest names the tag whose re-save was killed: refused, naming the one that is left
+        with pytest.raises(CheckpointError, match=r"latest names 'b', but there is no checkpoint 'b'.*tag='a'"):
+            loads(directory, None)
+    else:
+        assert loads(directory, None) == ("c" if point[1:3] == (3, "after") else "b")
+    lines = [r.getMessage() for r in caplog.records if r.name == "twinflow.notice" and "removed" in r.getMessage()]
+    if removed is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and removed in lines[0] and str(directory) in lines[0]
+    # (b) no temporary, marker or partial tag is left; (a) the old checkpoints load, and a complete new one
+    assert not [p for p in listing(directory) if Path(p).name.startswith(".")]
+    tags = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    assert all((directory / t / "meta.json").is_file() for t in tags)
+    expected = {"a", "b", tag} if left == "complete tag" else {"a", "b"} - {tag}
+    assert tags == sorted(expected | ({"d"} if next_call == "save" else set()))
+    loads(directory, "a", weights["a"])
+    if tag != "b":
+        loads(directory, "b", weights["b"])
+    if "c" in tags:
+        loads(directory, "c")
