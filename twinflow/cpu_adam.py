@@ -53,6 +53,8 @@ def adam_defaults(
     check_hyperparams(lr, betas, eps, weight_decay)
     if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
         raise ValueError(f"num_threads={num_threads!r}; expected a positive int or None for torch's default")
+    # AdamW's flag keys too, at the values twinflow runs with: code reads group["amsgrad"] and the like, and a
+    # state dict saved, loaded and saved again must not gain keys torch adds on loading.
     return dict(
         lr=lr,
         betas=betas,
@@ -60,7 +62,47 @@ def adam_defaults(
         weight_decay=weight_decay,
         adamw_mode=adamw_mode,
         bias_correction=bias_correction,
+        amsgrad=False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=adamw_mode,
     )
+
+
+def check_group_flags(index: int, group: dict[str, Any]) -> None:
+    """Raises, naming the param group and the key, where a group's AdamW flag asks for what twinflow lacks, or
+    ``decoupled_weight_decay`` contradicts ``adamw_mode`` (the key twinflow steps by)."""
+    for name in ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"):
+        if group.get(name):
+            raise ValueError(
+                f"param group {index}: {name}={group[name]!r} is not supported by twinflow's Adam; set it to "
+                f"{adam_flag_default(name)!r} (twinflow picks its own kernels; amsgrad, maximize, capturable and "
+                "differentiable are not implemented)"
+            )
+    decoupled = group.get("decoupled_weight_decay", group["adamw_mode"])
+    if bool(decoupled) != bool(group["adamw_mode"]):
+        raise ValueError(
+            f"param group {index}: decoupled_weight_decay={decoupled!r} but adamw_mode={group['adamw_mode']!r}; "
+            "they name the same choice (AdamW's decoupled weight decay): set both to the same value"
+        )
+
+
+def adam_flag_default(name: str) -> bool | None:
+    """The value twinflow runs AdamW's flag `name` at."""
+    return None if name in ("foreach", "fused") else False
+
+
+def align_group_flags(groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    """After loading groups from another optimizer (torch's Adam/AdamW lack ``adamw_mode``): every key of
+    ``defaults`` is present, and ``decoupled_weight_decay`` follows ``adamw_mode``, which this optimizer keeps
+    (as torch's AdamW keeps its own ``decoupled_weight_decay`` on loading)."""
+    for group in groups:
+        for key, value in defaults.items():
+            group.setdefault(key, value)
+        group["decoupled_weight_decay"] = group["adamw_mode"]
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -100,9 +142,7 @@ class CPUAdam(torch.optim.Optimizer):
         # State dicts from torch.optim.AdamW/Adam lack our group keys.
         state.setdefault("num_threads", getattr(self, "num_threads", None))
         super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+        align_group_flags(self.param_groups, self.defaults)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -111,6 +151,8 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):
+            check_group_flags(index, group)
         for group in self.param_groups:
             self._step_group(group)
         return loss

@@ -23,6 +23,7 @@ import torch
 
 from twinflow import distributed, speculation
 from twinflow.pipeline import HostPipeline
+from twinflow.split_state import sparse_gradient_message
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ class Attachment:
                 "static_graph=True: its buckets carry zeros for the parameters a step did not use, which attach() "
                 "cannot tell from real gradients. Use neither, or TwinFlowAdam without attach() (exact either way)"
             )
+        sparse = [
+            n or "the model"
+            for n, m in model.named_modules()
+            if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters(False))
+        ]
+        if sparse:  # refused before any backward: a sparse gradient found in one would leave a step half taken
+            raise TypeError(sparse_gradient_message(f"module {sparse[0]!r} (sparse=True)"))
         self.fsdp = distributed.is_fully_sharded(model)
         if distributed.multi_process() and self.ddp is None and not self.fsdp:
             raise RuntimeError(
@@ -193,6 +201,10 @@ class Attachment:
 
     def note_grad(self, i: int, grad: torch.Tensor) -> None:
         """Backward has finished parameter i's gradient: note its version, copy the witness."""
+        if grad.is_sparse:  # attach() refused sparse modules; this one turned sparse since (or is not a module's)
+            name = next((n for n, q in self.model.named_parameters() if q is self.opt._split.params[i]), None)
+            what = f"parameter {i}" + (f" ({name!r})" if name else "")
+            raise TypeError(sparse_gradient_message(what) + "; then call zero_grad() before the next backward")
         self.grad_version[i] = grad._version
         if i == self.witness:
             self.witness_grad = distributed.local(grad).detach().clone()

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from twinflow import compact, ops
-from twinflow.cpu_adam import check_hyperparams
+from twinflow.cpu_adam import check_group_flags, check_hyperparams
 from twinflow.transfer import Streams, pinned_buffers, view
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,9 @@ class StepArgs:
     def of(cls, param_groups: list[dict], steps: list[int]) -> StepArgs:
         """The step's arguments from torch.optim param groups (hyper-parameters checked, as plain numbers)."""
         groups = []
-        for group in param_groups:
+        for index, group in enumerate(param_groups):
             check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_group_flags(index, group)
             beta1, beta2 = group["betas"]
             groups.append(
                 dict(

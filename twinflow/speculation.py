@@ -22,6 +22,8 @@ clipping.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -32,6 +34,7 @@ class SpeculationPolicy:
         self.off_after = off_after
         self.clipped_in_a_row = 0
         self.skipped = 0  # steps not speculated because of clipping
+        self.warned = False  # speculate=True that can do nothing was reported (once per optimizer)
 
     def note(self, last_scale: float | None) -> None:
         """The multiplier of the CPU share's last step (None: no step since the last note, e.g. one abandoned
@@ -66,3 +69,36 @@ def speculating(opt: torch.optim.Optimizer) -> bool:
     split.pipeline.finish()  # the last step's multiplier is known once its chunks are done
     opt._speculation.note(split.pipeline.last_scale)
     return opt._speculation.speculate()
+
+
+def idle_reasons(opt: torch.optim.Optimizer) -> list[str]:
+    """Why ``speculate=True`` can do nothing (or little) for `opt` as set up now; empty: it can speculate."""
+    a = opt._attachment
+    reasons = []
+    if a is None:
+        reasons.append("the optimizer is not attached (speculation steps the CPU share during backward: call "
+                       "attach(model))")  # fmt: skip
+    if opt.max_grad_norm is None:
+        reasons.append("max_grad_norm is not set (without clipping, attach() already steps the CPU share during "
+                       "backward, exactly)")  # fmt: skip
+    if a is not None and a.fp16:
+        reasons.append("the model has fp16 parameters (each step waits for the overflow check)")
+    if opt.state_precision != "fp32":
+        reasons.append(f"state_precision={opt.state_precision!r} steps the state in place: nothing to roll back to")
+    if opt.delay_after is not None:
+        reasons.append(f"delay_after={opt.delay_after}: only the first {opt.delay_after} steps can speculate; the "
+                       "delayed update hides the CPU share after them")  # fmt: skip
+    return reasons
+
+
+def warn_if_idle(opt: torch.optim.Optimizer, final: bool) -> None:
+    """One warning where ``speculate=True`` was asked for and cannot act (`final`: at a step, when nothing about
+    the set-up can change any more; before it, an attach() still to come is not a reason)."""
+    if not opt.speculate or opt._speculation.warned:
+        return
+    reasons = idle_reasons(opt)
+    if not final:
+        reasons = [r for r in reasons if not r.startswith("the optimizer is not attached")]
+    if reasons:
+        opt._speculation.warned = True
+        warnings.warn("speculate=True has no effect here: " + "; ".join(reasons), UserWarning, stacklevel=3)

@@ -23,6 +23,7 @@ from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
 log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ENTRY_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # a parameter's state in torch.optim's layout
 
 
 class SplitState:
@@ -53,12 +54,11 @@ class SplitState:
                 f"TwinFlowAdam got parameters on several devices {devices}; it steps the parameters of one "
                 "device: build one optimizer per device (or per rank with DDP/FSDP)"
             )
-        for i, p in enumerate(self.locals):
-            if p.dtype not in _DTYPES:
-                raise TypeError(f"parameter {i} has dtype {p.dtype}; expected float32, bfloat16 or float16")
-            if not p.is_contiguous():
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+        self.names = [n for g in param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        check_params(self.locals, self.names, self.group_of)
         self.steps = [0] * len(self.params)
+        self.generation = 0  # counts changes of the state's values, except in place through views (opt.state)
+        self.handed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # copies given to opt.state: their version
         self.segments_of: list[list[SegmentState]] | None = None  # per parameter; None until build()
         self.pipeline: HostPipeline | None = None
 
@@ -113,29 +113,9 @@ class SplitState:
             self.pipeline = HostPipeline(self.locals, self.group_of, host_segments, chunk_bytes, self.device,
                                          num_threads, self.precision)  # fmt: skip
             weakref.finalize(self, self.pipeline.close)
-        summary = self._summary(ratio, placement)
-        log.info("TwinFlowAdam split: %s", summary)
-        return summary
-
-    def _summary(self, ratio: float, placement: str) -> dict[str, Any]:
-        def side(states: list[SegmentState]) -> dict[str, int]:
-            elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
-            return {"tensors": len({st.seg.index for st in states}), "elements": elements, "state_bytes": 12 * elements}
-
-        cpu, dev = side(self.cpu), side(self.dev)
-        cpu["state_precision"] = self.precision
-        if self.pipeline is not None:
-            cpu["state_bytes"] = self.pipeline.state_bytes
-        total = cpu["elements"] + dev["elements"]
-        return {
-            "ratio_requested": ratio,
-            "ratio_achieved": cpu["elements"] / total if total else 0.0,
-            "placement": placement,
-            "cpu": cpu,
-            "device": dev | {"device": str(self.device)},
-            "pinned_bytes": self.pipeline.pinned_bytes if self.pipeline else 0,
-            "chunks": len(self.pipeline.chunks) if self.pipeline else 0,
-        }
+        summary_ = summary(self, ratio, placement)
+        log.info("TwinFlowAdam split: %s", summary_)
+        return summary_
 
     def check_settled(self) -> None:
         """Raises unless the state exists and no step is half done (before a save or a load)."""
@@ -170,6 +150,7 @@ class SplitState:
     def open(self, args: StepArgs | None, speculative: bool = False) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""
         self.pipeline.open(args, speculative)  # waits for the last step's writes: the masters are settled
+        self.absorb_edits()  # before any gradient lands: the worker has not started on this step
         self.refresh_moved_masters()
 
     def with_grad(self, streamed: set[int]) -> list[int]:
@@ -190,7 +171,8 @@ class SplitState:
             if g is not None and g.is_sparse:
                 if self.pipeline is not None:
                     self.pipeline.reset()
-                raise TypeError(f"parameter {i} has a sparse gradient; TwinFlowAdam needs dense gradients")
+                name = f" ({self.names[i]!r})" if self.names[i] else ""
+                raise TypeError(sparse_gradient_message(f"parameter {i}{name}"))
         if self.pipeline is not None:
             for i in with_grad:
                 if i in self.pipeline.pieces_of and not self.pipeline.downloaded(i):
@@ -204,6 +186,7 @@ class SplitState:
 
     def step_device(self, with_grad: list[int], groups: list[dict[str, Any]], scale: torch.Tensor | None) -> None:
         """Launches the device side's step of `with_grad`, and counts the step of each."""
+        self.absorb_edits()  # without a CPU side, nothing opened the step
         has_grad = set(with_grad)
         stepped = [st for st in self.dev if st.seg.index in has_grad]
         device_side.step(stepped, groups, self.group_of, self.locals,
@@ -212,9 +195,24 @@ class SplitState:
             self.written[st.seg.index] = self.locals[st.seg.index]._version
         for i in with_grad:
             self.steps[i] += 1
+        self.generation += 1
 
-    def forget_written(self) -> None:
-        """Every weight counts as changed outside the optimizer: the next refresh copies them all."""
+    def settle(self) -> None:
+        """Every update taken so far, a delayed one included, is in the weights (no step half done)."""
+        if self.pipeline is not None and not self.step_open:
+            self.pipeline.settle()
+
+    def settle_state(self) -> None:
+        """Every update taken so far is in the masters and moments (a delayed one's weights may be pending)."""
+        if self.pipeline is not None:
+            self.pipeline.settle_state()
+
+    def forget_written(self, drop_pending: bool = False) -> None:
+        """Every weight counts as changed outside the optimizer: the next refresh copies them all
+        (`drop_pending`: a delayed update not applied yet is dropped, not written over the new weights)."""
+        if drop_pending and self.pipeline is not None and not self.step_open:
+            self.pipeline.finish()
+            self.pipeline.drop_late_for(set(self.pipeline.pieces_of), "were changed (weights_changed())")
         self.written = [-1] * len(self.params)
         if self.pipeline is not None:
             self.pipeline.written_version.clear()
@@ -231,6 +229,7 @@ class SplitState:
         if moved and self.pipeline is not None:
             self.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
             self.pipeline.unflip(moved)  # the masters written below are the current ones
+        self.generation += bool(moved)
         for i in moved:
             p = self.locals[i]
             flat = p.view(-1)
@@ -241,85 +240,173 @@ class SplitState:
             self.written[i] = p._version
 
     # ------------------------------------------------ torch.optim's layout
-    def entry(self, i: int) -> dict[str, torch.Tensor]:
+    def entry(self, i: int, handed: bool = False) -> dict[str, torch.Tensor]:
         """Parameter i's state in torch.optim's layout (+ ``master`` for low precision).
 
-        Views of the live buffers where the parameter is on one side whole; a copy for the one cut in two.
+        Views of the live buffers where the parameter is on one side whole; a copy for the one cut in two, for
+        8-bit moments and 24-bit masters. `handed` (``opt.state``): the copies are remembered, so that an
+        in-place write to one reaches the buffers before they are next used (:meth:`absorb_edits`).
         """
         p, states = self.locals[i], self.segments_of[i]
-        entry = {"step": torch.tensor(float(self.steps[i]))}
+        entry, copies = {"step": torch.tensor(float(self.steps[i]))}, ["step"]
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
             if len(states) == 1 and isinstance(getattr(states[0], key), torch.Tensor):
                 entry[key] = getattr(states[0], key).view(p.shape)
-            else:
-                full = torch.empty(p.numel(), dtype=torch.float32)
-                for st in states:
-                    value = getattr(st, key)  # None: 8-bit moments, decoded from the pipeline's pieces
-                    if value is None:
-                        value = self.pipeline.moment(i, key)
-                    elif isinstance(value, compact.Master24):
-                        value = value.float()
-                    full[st.seg.start : st.seg.end] = value
-                entry[key] = full.view(p.shape)
+                continue
+            full = torch.empty(p.numel(), dtype=torch.float32)
+            for st in states:
+                value = getattr(st, key)  # None: 8-bit moments, decoded from the pipeline's pieces
+                if value is None:
+                    value = self.pipeline.moment(i, key)
+                elif isinstance(value, compact.Master24):
+                    value = value.float()
+                full[st.seg.start : st.seg.end] = value
+            entry[key] = full.view(p.shape)
+            copies.append(key)
+        if handed:
+            self.handed.update({(i, key): (entry[key], entry[key]._version) for key in copies})
         return entry
+
+    def stepped(self, i: int) -> bool:
+        """Whether parameter i has state: it was stepped (or given state) and takes part in the split."""
+        return self.steps[i] > 0 and bool(self.segments_of[i])
 
     def export(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every stepped parameter's entry, by index."""
-        return {i: self.entry(i) for i in range(len(self.params)) if self.steps[i] > 0 and self.segments_of[i]}
+        self.absorb_edits()
+        return {i: self.entry(i) for i in range(len(self.params)) if self.stepped(i)}
 
-    def validated(self, state_dict: dict[str, Any], param_groups: list[dict]) -> dict[int, dict[str, torch.Tensor]]:
-        """The state dict's per-parameter entries by our index, checked (raises before anything changes)."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(param_groups):
-            raise ValueError(f"state dict has {len(groups)} param groups; this optimizer has {len(param_groups)}")
-        for gi, (saved, ours) in enumerate(zip(groups, param_groups)):
-            if len(saved["params"]) != len(ours["params"]):
-                raise ValueError(
-                    f"param group {gi}: state dict has {len(saved['params'])} parameters, optimizer has "
-                    f"{len(ours['params'])}"
-                )
-        ours = [self.index[id(p)] for group in param_groups for p in group["params"]]
-        id_to_index = dict(zip((pid for g in groups for pid in g["params"]), ours))
-        loaded: dict[int, dict[str, torch.Tensor]] = {}
-        for pid, entry in state_dict["state"].items():
-            if pid not in id_to_index:
-                raise ValueError(f"state dict has state for parameter {pid!r}, which none of its param groups lists")
-            i = id_to_index[pid]
-            missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]
-            if missing:
-                raise ValueError(
-                    f"state of parameter {i}: no {missing[0]!r} entry (an Adam state has step, exp_avg and "
-                    "exp_avg_sq); the state dict is incomplete or not from an Adam-family optimizer"
-                )
-            for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
-                if entry[key].numel() != self.locals[i].numel():
-                    raise ValueError(f"state of parameter {i}: {key} has {entry[key].numel()} elements, expected "
-                                     f"{self.locals[i].numel()}")  # fmt: skip
-            loaded[i] = entry
-        return loaded
+    def absorb_edits(self) -> None:
+        """In-place writes to the copies ``opt.state`` was given reach the buffers (a view's writes already did)."""
+        for (i, key), (copy, version) in list(self.handed.items()):
+            if copy._version != version:
+                self.handed[(i, key)] = (copy, copy._version)
+                self.put(i, {key: copy}, (key,), weights_follow=False)
 
     @torch.no_grad()
     def load(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
         """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master."""
-        for i, p in enumerate(self.locals):
-            entry = loaded.get(i)
-            self.steps[i] = int(entry["step"]) if entry is not None else 0
-            if entry is None:
-                flat = {"exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
-            else:
-                flat = {k: entry[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
-                flat["master"] = entry["master"].reshape(-1) if "master" in entry else p.reshape(-1)
-            for st in self.segments_of[i]:
-                s, e = st.seg.start, st.seg.end
-                if st.exp_avg is None:  # 8-bit moments: encoded into the pipeline's pieces
-                    self.pipeline.set_moments(i, flat["exp_avg"], flat["exp_avg_sq"])
-                for key in ("exp_avg", "exp_avg_sq") if st.exp_avg is not None else ():
+        self.handed.clear()  # copies of the state being replaced
+        for i in range(len(self.params)):
+            self.put(i, loaded.get(i))
+
+    @torch.no_grad()
+    def put(
+        self, i: int, entry: dict[str, Any] | None, keys: tuple[str, ...] = ENTRY_KEYS, weights_follow: bool = True
+    ) -> None:
+        """Writes `keys` of parameter i's state from `entry` (None: fresh, the master from the weight); a master
+        written also sets the weight, rounded to its dtype (`weights_follow`; otherwise at the next step, as for
+        an in-place write to a master that is a view)."""
+        p = self.locals[i]
+        if entry is None:
+            flat: dict[str, Any] = {"step": 0, "exp_avg": None, "exp_avg_sq": None, "master": p.reshape(-1)}
+        else:
+            flat = {k: entry[k].reshape(-1) for k in keys if k in entry and k != "step"}
+            if "master" in keys and "master" not in flat:
+                flat["master"] = p.reshape(-1)
+            if "step" in keys:
+                flat["step"] = int(entry["step"])
+        if "step" in flat:
+            self.steps[i] = flat["step"]
+        for st in self.segments_of[i]:
+            s, e = st.seg.start, st.seg.end
+            if st.exp_avg is None and ("exp_avg" in flat or "exp_avg_sq" in flat):  # 8-bit: both encode together
+                both = [flat[k] if k in flat else self.entry(i)[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")]
+                self.pipeline.set_moments(i, *both)
+            for key in ("exp_avg", "exp_avg_sq") if st.exp_avg is not None else ():
+                if key in flat:
                     target = getattr(st, key)
                     target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
-                if st.master.data_ptr() != p.data_ptr() + s * p.element_size():
-                    st.master.copy_(flat["master"][s:e])
-                if st.device_step is not None:
-                    st.device_step.fill_(self.steps[i])
-            if entry is not None and "master" in entry:  # the model's weights follow the masters
-                p.copy_(entry["master"].view(p.shape))
-            self.written[i] = p._version
+            if "master" in flat and st.master.data_ptr() != p.data_ptr() + s * p.element_size():
+                st.master.copy_(flat["master"][s:e])
+            if "step" in flat and st.device_step is not None:
+                st.device_step.fill_(self.steps[i])
+        if weights_follow and entry is not None and "master" in keys and "master" in entry:
+            p.copy_(entry["master"].view(p.shape))
+        self.written[i] = p._version
+        self.generation += 1
+
+
+def validated(
+    split: SplitState, state_dict: dict[str, Any], param_groups: list[dict]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The state dict's per-parameter entries by our index, checked (raises before anything changes)."""
+    groups = state_dict["param_groups"]
+    if len(groups) != len(param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups; this optimizer has {len(param_groups)}")
+    for gi, (saved, ours) in enumerate(zip(groups, param_groups)):
+        if len(saved["params"]) != len(ours["params"]):
+            raise ValueError(
+                f"param group {gi}: state dict has {len(saved['params'])} parameters, optimizer has "
+                f"{len(ours['params'])}"
+            )
+    ours = [split.index[id(p)] for group in param_groups for p in group["params"]]
+    id_to_index = dict(zip((pid for g in groups for pid in g["params"]), ours))
+    loaded: dict[int, dict[str, torch.Tensor]] = {}
+    for pid, entry in state_dict["state"].items():
+        if not isinstance(entry, dict) or not any(key in entry for key in ENTRY_KEYS):
+            continue  # not Adam state (a key of the user's own, or an entry with only such keys): torch keeps it
+        if pid not in id_to_index:
+            raise ValueError(f"state dict has state for parameter {pid!r}, which none of its param groups lists")
+        i = id_to_index[pid]
+        missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]
+        if missing:
+            raise ValueError(
+                f"state of parameter {i}: no {missing[0]!r} entry (an Adam state has step, exp_avg and "
+                "exp_avg_sq); the state dict is incomplete or not from an Adam-family optimizer"
+            )
+        for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
+            if not isinstance(entry[key], torch.Tensor):
+                raise TypeError(f"state of parameter {i}: {key} is a {type(entry[key]).__name__}; expected a tensor")
+            if entry[key].numel() != split.locals[i].numel():
+                raise ValueError(f"state of parameter {i}: {key} has {entry[key].numel()} elements, expected "
+                                 f"{split.locals[i].numel()}")  # fmt: skip
+        loaded[i] = entry
+    return loaded
+
+
+def summary(split: SplitState, ratio: float, placement: str) -> dict[str, Any]:
+    """The split's figures: elements and state bytes a side, the ratio achieved, pinned bytes, chunks."""
+
+    def side(states: list[SegmentState]) -> dict[str, int]:
+        elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
+        return {"tensors": len({st.seg.index for st in states}), "elements": elements, "state_bytes": 12 * elements}
+
+    cpu, dev = side(split.cpu), side(split.dev)
+    cpu["state_precision"] = split.precision
+    if split.pipeline is not None:
+        cpu["state_bytes"] = split.pipeline.state_bytes
+    total = cpu["elements"] + dev["elements"]
+    return {
+        "ratio_requested": ratio,
+        "ratio_achieved": cpu["elements"] / total if total else 0.0,
+        "placement": placement,
+        "cpu": cpu,
+        "device": dev | {"device": str(split.device)},
+        "pinned_bytes": split.pipeline.pinned_bytes if split.pipeline else 0,
+        "chunks": len(split.pipeline.chunks) if split.pipeline else 0,
+    }
+
+
+def sparse_gradient_message(what: str) -> str:
+    """The refusal of a sparse gradient (`what`: the parameter or module that has one), with the fix."""
+    return (
+        f"{what} has a sparse gradient; TwinFlowAdam needs dense gradients: build the module with sparse=False "
+        "(nn.Embedding(..., sparse=False)), or step that parameter with an optimizer for sparse gradients "
+        "(torch.optim.SparseAdam)"
+    )
+
+
+def check_params(locals_: list[torch.Tensor], names: list[str | None], group_of: list[int]) -> None:
+    """Raises, naming the first parameter twinflow cannot step (its dtype, or not contiguous), with the fix."""
+    for i, p in enumerate(locals_):
+        if p.dtype not in _DTYPES:
+            name = f" {names[i]!r}" if names[i] else ""
+            raise TypeError(
+                f"parameter {i}{name} (shape {tuple(p.shape)}, param group {group_of[i]}) has dtype "
+                f"{str(p.dtype).removeprefix('torch.')}; TwinFlowAdam steps float32, bfloat16 or float16 "
+                "parameters: convert the model first (model.float() or model.to(torch.bfloat16))"
+                + ("" if name else "; pass model.named_parameters() to see parameters named in errors")
+            )
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")

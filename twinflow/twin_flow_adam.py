@@ -18,12 +18,13 @@ import torch
 
 from twinflow import device_side, ops, speculation
 from twinflow.compact import check_state_precision
-from twinflow.cpu_adam import ParamsT, adam_defaults, check_adamw_flags
+from twinflow.cpu_adam import ParamsT, adam_defaults, align_group_flags, check_adamw_flags
 from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
 from twinflow.pipeline import StepArgs, check_chunk_bytes, check_delay_after
 from twinflow.speculation import SpeculationPolicy
-from twinflow.split_state import SplitState
+from twinflow.split_state import ENTRY_KEYS, SplitState, validated
+from twinflow.state_map import ParamState, StateMap
 from twinflow.step_scale import StepScale, check_max_grad_norm
 from twinflow.tune import IterationProbe
 
@@ -98,6 +99,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._attachment: Attachment | None = None
         self._taken_state: dict[int, dict[str, torch.Tensor]] | None = None  # see _take_state
         self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
+        self.register_state_dict_post_hook(_plain_entries, prepend=True)
         self.sync_gradients, self.skipped_steps = True, 0  # skipped: fp16 steps with an inf/NaN gradient
         self.auto_decision, self._probe = None, IterationProbe(self.device) if self.auto_ratio else None
         if not self.auto_ratio:
@@ -108,6 +110,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def _build(self) -> None:
         self.split_summary = self._split.build(self.ratio, self.placement, self.chunk_bytes, self.num_threads)
         self.split_summary["ratio_requested"] = "auto" if self.auto_ratio else self.ratio
+        self._states.bind(self._split)
         if self._attachment is not None:
             self._attachment.install()
 
@@ -158,6 +161,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self._probe.attach(model)
         else:
             self._attachment.install()
+        speculation.warn_if_idle(self, final=False)
         return self
 
     def detach(self) -> None:
@@ -179,20 +183,16 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def weights_changed(self) -> None:
         """Call after writing weights through ``.data`` (``synchronize()`` first when attached): masters follow;
         a pending delayed update is dropped, not written over the new weights."""
-        pipeline = self._split.pipeline
-        if pipeline is not None and not self._split.step_open:
-            pipeline.finish()
-            pipeline.drop_late_for(set(pipeline.pieces_of), "were changed (weights_changed())")
-        self._split.forget_written()
+        self._split.forget_written(drop_pending=True)
 
     def synchronize(self) -> None:
         """Waits until every weight of the last step is back on the device (the current stream sees it); a
         delayed update still pending is applied now."""
-        if self._split.pipeline is not None and not self._split.step_open:
-            self._split.pipeline.settle()
+        self._split.settle()
 
     # ------------------------------------------------------------------- step
     def _step_args(self) -> StepArgs:
+        self._split.absorb_edits()  # a step count written in place into opt.state counts from this step on
         return StepArgs.of(self.param_groups, [s + 1 for s in self._split.steps])  # checks the hyper-parameters
 
     def _open_step(self, args: StepArgs | None, speculative: bool = False) -> None:
@@ -216,6 +216,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         args = self._step_args()  # checks the hyper-parameters before anything moves
+        speculation.warn_if_idle(self, final=True)
         if self.ratio is None:
             self._choose_ratio()
         if self._rebuild_if_needed():
@@ -290,25 +291,25 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     @property
-    def state(self) -> dict:
-        """Per-parameter state as torch.optim keeps it (``step``, ``exp_avg``, ``exp_avg_sq``, ``master``),
-        derived on each read from the optimizer's own buffers once the CPU share's last step has finished."""
-        split = getattr(self, "_split", None)
-        if split is not None and split.built and not split.step_open:
-            if split.pipeline is not None:
-                split.pipeline.settle_state()
-            self._state_map.clear()
-            self._state_map.update({split.params[i]: entry for i, entry in split.export().items()})
-        return self._state_map
+    def state(self) -> StateMap:
+        """Per-parameter state as torch.optim keeps it (``step``, ``exp_avg``, ``exp_avg_sq``, ``master``), read
+        once the CPU share's last step has finished; it keeps what is written into it (:mod:`.state_map`)."""
+        self._states.sync()
+        return self._states
 
     @state.setter
     def state(self, value: dict) -> None:
-        self._state_map = value  # torch's __init__, load_state_dict and __setstate__ assign it
+        self.__dict__.setdefault("_states", StateMap())  # torch's __init__ assigns an empty defaultdict first
+        if value is not self._states:
+            self._states.clear()
+            self._states.update(value)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's ``state_dict`` (its hooks run), once the CPU share's last step has finished; it loads
         under another ratio or placement and into ``torch.optim.AdamW`` (which ignores ``master``)."""
         self._split.check_settled()
+        self._split.settle_state()
+        self._split.absorb_edits()  # in-place writes to opt.state's copies, in the precision the state keeps
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -345,17 +346,18 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt._split.export().items()}
     settings = {key: getattr(opt, key) for key in _SETTINGS}
-    ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps}
+    per_param, other = opt.state.extras()
+    ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps, "extras": (per_param, other)}
     return {"defaults": opt.defaults, "param_groups": opt.param_groups, "twinflow": ours}
 
 
 def _unpickle(opt: TwinFlowAdam, state: dict[str, Any]) -> None:
     ours = state.get("twinflow")
-    if ours is None:  # torch's load_state_dict passes the loaded groups this way
+    if ours is None:  # torch's load_state_dict passes the loaded groups, and the entries beyond ours, this way
+        loaded = state.pop("state", {})
         torch.optim.Optimizer.__setstate__(opt, state)
-        for group in opt.param_groups:
-            for key, value in opt.defaults.items():
-                group.setdefault(key, value)
+        align_group_flags(opt.param_groups, opt.defaults)
+        opt._states.restore(loaded)
         return
     settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
     settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
@@ -364,13 +366,18 @@ def _unpickle(opt: TwinFlowAdam, state: dict[str, Any]) -> None:
     opt.skipped_steps = ours["skipped_steps"]
     if ours["state"]:
         opt._split.load(ours["state"])
+    per_param, other = ours.get("extras", ({}, {}))
+    opt._states.restore({**other, **{opt._split.params[i]: entry for i, entry in per_param.items()}})
 
 
 def _take_state(opt: TwinFlowAdam, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The last load_state_dict pre-hook: checks the entries, puts them into the buffers once torch has taken
-    the param groups (a post-hook), and hands torch the state dict without them."""
-    opt._taken_state = opt._split.validated(state_dict, opt.param_groups)
-    return {**state_dict, "state": {}}
+    """The last load_state_dict pre-hook: checks twinflow's entries, puts them into the buffers once torch has
+    taken the param groups (a post-hook), and hands torch the rest (keys of the user's own, kept as torch keeps
+    them)."""
+    opt._taken_state = validated(opt._split, state_dict, opt.param_groups)
+    rest = {k: ({n: v for n, v in e.items() if n not in ENTRY_KEYS} if isinstance(e, dict) else e)
+            for k, e in state_dict["state"].items()}  # fmt: skip
+    return {**state_dict, "state": rest}
 
 
 def _put_taken_state(opt: TwinFlowAdam) -> None:
@@ -378,3 +385,10 @@ def _put_taken_state(opt: TwinFlowAdam) -> None:
     taken, opt._taken_state = opt._taken_state, None
     if taken is not None:
         opt._split.load(taken)
+
+
+def _plain_entries(opt: TwinFlowAdam, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The first state_dict post-hook: each parameter's entry as a plain dict (``torch.load(weights_only=True)``
+    reads plain containers only), its tensors those ``opt.state`` holds."""
+    state_dict["state"] = {k: dict(v) if isinstance(v, ParamState) else v for k, v in state_dict["state"].items()}
+    return state_dict
