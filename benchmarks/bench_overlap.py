@@ -233,7 +233,7 @@ def plot_sweep(result: dict, path: Path) -> None:
         a.plot([r for r, _ in rows], [e["predicted_step_s"] for _, e in rows], "x--", label="twinflow, predicted")
     a.axhline(amp["step_s"], color="gray", ls=":", label="PyTorch AMP, no offload")
     for auto, marker in zip(autos, ("r*", "m*")):
-        budget = auto.get("auto_decision", {}).get("inputs", {}).get("budget_bytes", 0) / GIB
+        budget = (auto.get("auto_decision", {}).get("inputs", {}).get("budget_bytes") or 0) / GIB
         label = f"ratio='auto' -> {auto['ratio']:.2f} (budget {budget:.0f} GiB)"
         a.plot([auto["ratio"]], [auto["step_s"]], marker, ms=14, label=label)
     a.set_xlabel("ratio (share of parameters stepped on the CPU)")

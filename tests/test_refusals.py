@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -104,3 +105,15 @@ def test_speculate_where_it_acts_is_silent() -> None:
         opt.attach(model)
         one_step(model, opt)
     assert not [w for w in seen if "speculate" in str(w.message)]
+
+
+def test_ratio_auto_says_what_it_chose_and_why_in_one_readable_line(caplog: pytest.LogCaptureFixture) -> None:
+    model = small_model()
+    opt = TwinFlowAdam(model.parameters(), ratio="auto", chunk_bytes=256)
+    with caplog.at_level("INFO", logger="twinflow.notice"):
+        one_step(model, opt)
+    lines = [r.getMessage() for r in caplog.records if r.name == "twinflow.notice" and "ratio='auto'" in r.message]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert f"chose {opt.ratio:.2f}" in lines[0] and "because" in lines[0]
+    numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", lines[0])]
+    assert max(numbers) < 1e6, lines[0]  # GiB and Gparam/s, never a raw sentinel budget

@@ -1,15 +1,20 @@
-"""ratio="auto": the choice from measured inputs (pure), and the optimizer deciding at its first step."""
+"""ratio="auto": the choice from measured inputs (pure), the probes' arithmetic (injected timings), the sentence
+that explains a choice, and the optimizer deciding at its first step."""
 
+import os
+import re
 from dataclasses import asdict
 
 import pytest
 import torch
 
-from twinflow import TwinFlowAdam
+import twinflow.tune
+from twinflow import TwinFlowAdam, ops
 from twinflow.tune import (
     Inputs,
     NoRatioFits,
     choose_ratio,
+    explain,
     host_available_bytes,
     host_bytes_per_element,
     local_ranks,
@@ -54,7 +59,8 @@ def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eage
     assert 0.0 <= r <= 1.0 and r in GRID, r
     times = {q: predict_time(x, q, placement, overlap, eager, delayed, speculative) for q in GRID}
     assert d["predicted_time_s"] == times[r] and d["predicted_peak_bytes"] == predict_peak(x, r)
-    fitting = [q for q in GRID if predict_peak(x, q) <= x.budget_bytes and predict_host(x, q) <= x.host_budget_bytes]
+    fitting = [q for q in GRID if (x.budget_bytes is None or predict_peak(x, q) <= x.budget_bytes)
+               and predict_host(x, q) <= x.host_budget_bytes]  # fmt: skip
     if not fitting:
         assert r == 1.0
         return
@@ -168,13 +174,16 @@ def test_first_step_peak_counts_when_gradients_are_still_on_the_device() -> None
     assert predict_peak(x, 0.3) == 10 * GIB + state
 
 
+def fixed_rates(monkeypatch: pytest.MonkeyPatch, kernel: float, torch_adam: float) -> None:
+    """The probes report these elements per second (the choice on a CPU follows the faster of the two)."""
+    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda *a, **kw: kernel)
+    monkeypatch.setattr(twinflow.tune, "device_adam_rate", lambda *a, **kw: torch_adam)
+
+
 def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import twinflow.tune
     from twinflow.tune import IterationProbe
 
-    probe = twinflow.tune.cpu_kernel_rate  # still measured, on 64 Ki elements rather than 1 GiB of state
-    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda num_threads, **kw: probe(num_threads, 1 << 16, **kw))
-
+    fixed_rates(monkeypatch, kernel=1e9, torch_adam=2e9)  # torch's Adam faster: with room, ratio 0
     model = torch.nn.Linear(8, 8)
     params = list(model.parameters())
     for budget, budget_bytes, ratio in ((0, 0, 1.0), (1000, 900, 0.0)):  # the margin is kept below a budget too
@@ -182,8 +191,9 @@ def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
             params, placement="first", eager=False, release_grads=False, margin=0.1, budget=budget, num_threads=1,
         )  # fmt: skip
         assert d["inputs"]["budget_bytes"] == budget_bytes and d["ratio"] == ratio
-        # on the CPU both sides' state is host memory: the host does not bound the ratio; fp32 state + staging
-        assert d["inputs"]["host_budget_bytes"] == float("inf") and d["inputs"]["host_bytes_per_element"] == 16
+        # on the CPU both sides' state is host memory, which bounds it; fp32 state + staging for the CPU share
+        assert 0 < d["inputs"]["host_budget_bytes"] < float("inf") and d["inputs"]["host_bytes_per_element"] == 16
+        assert d["inputs"]["device_is_cpu"] is True
         assert_is_the_choice(Inputs(**d["inputs"]), d, "first", False, False)
     # 72 fp32 elements' device state (master and moments: 8 bytes each) fits in 900 bytes, and not in 500
     assert predict_peak(Inputs(**d["inputs"]), 0.0) == 576
@@ -194,8 +204,15 @@ def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_is_the_choice(Inputs(**d["inputs"]), d, "first", False, False)
 
 
-@pytest.mark.parametrize("attached, placement", [(True, "first"), (False, "last")])
-def test_optimizer_decides_at_first_step_and_then_matches_adamw(attached: bool, placement: str) -> None:
+@pytest.mark.parametrize(
+    "attached, placement, kernel_faster",
+    [(True, "first", False), (False, "last", False), (True, "last", True), (False, "first", True)],
+)
+def test_optimizer_decides_at_first_step_and_then_matches_adamw(attached: bool, placement: str, kernel_faster: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # a model this small steps in microseconds: rates a million apart make the Adams' difference outweigh the
+    # measured forward and backward (0.7 s against milliseconds)
+    fixed_rates(monkeypatch, kernel=1e9 if kernel_faster else 1e3, torch_adam=1e3 if kernel_faster else 1e9)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
@@ -220,10 +237,11 @@ def test_optimizer_decides_at_first_step_and_then_matches_adamw(attached: bool, 
     assert (d["placement"], d["overlap"], d["eager"]) == (placement, attached, attached)
     assert_is_the_choice(Inputs(**d["inputs"]), d, placement, attached, attached)
     assert (d["inputs"]["forward_s"] > 0) == attached and d["inputs"]["cpu_elements_per_s"] > 0
-    # Parameters on the CPU: no GPU to offload from, so the device side (here the CPU) is free and fastest.
-    # Every ratio fits the unbounded budget, and any CPU share only adds kernel time: 'auto' picks 0.
-    assert d["inputs"]["gpu_elements_per_s"] == float("inf") and d["inputs"]["budget_bytes"] > 1 << 60
-    assert opt.ratio == 0.0 and opt.split_summary["cpu"]["elements"] == 0
+    # Parameters on the CPU: the device side is torch's Adam on this same CPU, with no device memory limit; both
+    # sides share the cores, so 'auto' puts everything where Adam steps faster, and the result is AdamW's.
+    assert d["inputs"]["budget_bytes"] is None and d["inputs"]["device_is_cpu"] is True
+    expected = 1.0 if kernel_faster else 0.0
+    assert opt.ratio == expected and opt.split_summary["cpu"]["elements"] == expected * (16 * 32 + 32 + 32 * 4 + 4)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -332,3 +350,206 @@ def test_no_ratio_in_both_memories_is_an_error_that_names_the_compact_precisions
                                       state_precision="int8")))  # fmt: skip
     with pytest.raises(NoRatioFits, match=r"int8_m24.*ratio up to 1\.00"):
         choose_ratio(int8, "last", overlap=True, eager=True)
+
+
+# ---------------------------------------------------------------- the device is the CPU
+
+
+def cpu_inputs(**kw) -> Inputs:
+    """A model on the CPU: the 'device side' is torch's Adam on the same cores, in host memory, with no limit."""
+    base = dict(elements=125_000_000, grad_bytes=4 * 125_000_000, state_bytes_per_element=8.0, temp_bytes=0,
+                released_bytes_per_ratio=0, first_peak_bytes=0, at_step_bytes=0, budget_bytes=None, forward_s=0.2,
+                backward_s=0.6, cpu_elements_per_s=2.3e9, gpu_elements_per_s=1.0e9, pcie_bytes_per_s=float("inf"),
+                host_bytes_per_element=16.0, host_budget_bytes=20 * GIB, device_is_cpu=True)  # fmt: skip
+    return Inputs(**(base | kw))
+
+
+@pytest.mark.parametrize("overlap, eager", [(False, False), (True, True)])
+@pytest.mark.parametrize(
+    "kernel, torch_adam, forward_s",
+    [(2.3e9, 0.2e9, 0.2), (0.2e9, 2.3e9, 0.2), (2.3e9, 2.2e9, 0.2), (4e9, 1e9, 0.0), (1e9, 1e9, 0.5)],
+)
+def test_on_a_cpu_the_choice_is_the_predicted_fastest_of_all_or_nothing(
+    kernel: float, torch_adam: float, forward_s: float, overlap: bool, eager: bool
+) -> None:
+    """Both Adams and the model share the same cores: a step is F + B + both sides' time. The choice is the ratio
+    the fed measurements make fastest (1 where twinflow's kernel is faster by more than the tie, else 0), never a
+    near-tie in between, whatever overlap attach() would give on a GPU."""
+    x = cpu_inputs(cpu_elements_per_s=kernel, gpu_elements_per_s=torch_adam, forward_s=forward_s)
+    d = choose_ratio(x, "last", overlap=overlap, eager=eager)
+    serial = {r: x.forward_s + x.backward_s + (1 - r) * x.elements / torch_adam + r * x.elements / kernel for r in GRID}
+    for r in GRID:  # nothing hides behind anything
+        assert predict_time(x, r, "last", overlap, eager) == pytest.approx(serial[r])
+    fastest = min(serial, key=serial.__getitem__)
+    expected = fastest if serial[0.0] > serial[fastest] * 1.02 else 0.0
+    assert d["ratio"] == expected and d["ratio"] in (0.0, 1.0) and d["binding"] == "time"
+
+
+def test_a_cpu_whose_kernel_measured_faster_gets_ratio_1_where_a_free_device_side_gave_0() -> None:
+    """The report this guards: ratio 1 measured fastest on a CPU, and auto still chose 0, because it took the
+    device side's Adam as free (an infinite rate) and the CPU share's work as hidden behind the backward."""
+    measured = cpu_inputs(cpu_elements_per_s=2.3e9, gpu_elements_per_s=0.3e9)
+    assert choose_ratio(measured, "last", overlap=True, eager=True)["ratio"] == 1.0
+    as_before = Inputs(**(asdict(measured) | dict(gpu_elements_per_s=float("inf"), device_is_cpu=False)))
+    assert choose_ratio(as_before, "last", overlap=True, eager=True)["ratio"] == 0.0
+
+
+def test_on_a_cpu_host_memory_holds_both_sides_state_and_can_keep_ratio_0() -> None:
+    """At ratio 1 an fp32 model's state is 16 bytes a parameter (master, moments, staging) against torch's 8 at
+    ratio 0: a faster kernel is not chosen where the host cannot hold its state."""
+    x = cpu_inputs()
+    assert predict_host(x, 0.0) == x.elements * 8 and predict_host(x, 1.0) == x.elements * 16
+    tight = cpu_inputs(host_budget_bytes=x.elements * 12)
+    d = choose_ratio(tight, "last", overlap=True, eager=True)
+    assert d["ratio"] == 0.5 and d["binding"] == "host_memory"  # the most the host holds; faster than 0
+    cut = choose_ratio(cpu_inputs(host_budget_bytes=x.elements * 8.5), "last", overlap=True, eager=True)
+    assert cut["fastest_fitting_ratio"] == 0.06 and cut["ratio"] == 0.0  # 0.06 saves under 2%: the tie goes to 0
+    assert cut["binding"] == "host_memory"
+    with pytest.raises(NoRatioFits, match=r"does not fit this host's memory at any ratio") as error:
+        choose_ratio(cpu_inputs(host_budget_bytes=x.elements * 7), "last", overlap=True, eager=True)
+    assert "None" not in str(error.value) and "inf" not in str(error.value)
+
+
+# ---------------------------------------------------------------- the probes' arithmetic, with injected timings
+
+
+class FakeClock:
+    """Time that passes only when the probed call runs: each call takes the next of `durations` seconds."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.now, self.durations, self.calls = 0.0, list(durations), []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, **seen) -> None:
+        self.calls.append(seen)
+        self.now += self.durations.pop(0) if self.durations else 0.001
+
+
+def test_timed_skips_the_warm_up_and_outlasts_a_burst_of_contention() -> None:
+    # warm-up 10 s (a first-use compile, first touch), then 5 calls slowed by other processes, then the real speed
+    clock = FakeClock([10.0] + [0.25] * 5 + [1 / 32] * 200)  # binary fractions: the sums are exact
+    best = twinflow.tune.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
+    assert best == 1 / 32  # a best-of-3 after the warm-up would have reported 0.25 s
+    assert len(clock.calls) == 1 + 5 + 24  # 1.25 s of slow calls, then fast ones until 2 s of calls have passed
+    clock = FakeClock([0.0] + [1e-6] * 500)
+    twinflow.tune.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
+    assert len(clock.calls) == 1 + 100  # short calls stop at max_calls
+    clock = FakeClock([0.0] + [5.0] * 10)
+    assert twinflow.tune.probes.timed(clock.spend, 3, False, clock, window_s=2.0) == 5.0 and len(clock.calls) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_probe_is_elements_over_seconds_of_one_call(monkeypatch: pytest.MonkeyPatch,
+                                                               dtype: torch.dtype) -> None:  # fmt: skip
+    """Parameters per second of one kernel call on all `tensors` (not per thread, not counting the build or the
+    warm-up), the threads passed on, the staging (gradient in, weight out) in the parameters' dtype."""
+    clock = FakeClock([30.0] + [0.5, 0.25, 0.4] + [0.25] * 10)
+
+    def kernel(params, grads, exp_avgs, exp_avg_sqs, steps, *, out_copies, num_threads, **kw) -> None:
+        assert out_copies is grads and {g.dtype for g in grads} == {dtype} and len(params) == 3 == len(steps)
+        clock.spend(elements=sum(p.numel() for p in params), threads=num_threads)
+
+    monkeypatch.setattr(ops, "adam_step_", kernel)
+    rate = twinflow.tune.cpu_kernel_rate(2, 3000, dtype=dtype, tensors=3, clock=clock)
+    assert rate == 3000 / 0.25  # 12,000 parameters a second: 1.2e-05 Gparam/s
+    assert {c["elements"] for c in clock.calls} == {3000} and {c["threads"] for c in clock.calls} == {2}
+
+
+def test_the_device_probe_times_torchs_adam_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the device side's Adam is measured (it was taken as infinitely fast), on the model's tensors."""
+    clock = FakeClock([1.0, 0.125] + [0.5] * 10)
+
+    def fused(masters, grads, exp_avgs, exp_avg_sqs, *a, **kw) -> None:
+        assert all(m.device.type == "cpu" and m.dtype == torch.float32 for m in masters) and len(masters) == 4
+        clock.spend(elements=sum(m.numel() for m in masters))
+
+    monkeypatch.setattr(torch, "_fused_adamw_", fused)
+    rate = twinflow.tune.device_adam_rate(torch.device("cpu"), 1 << 12, dtype=torch.float32, tensors=4, clock=clock)
+    assert rate == (1 << 12) / 0.125 and {c["elements"] for c in clock.calls} == {1 << 12}
+    assert twinflow.tune.device_adam_rate(torch.device("meta"), 1 << 12) == float("inf")  # nowhere to run it
+
+
+def test_a_probe_steps_what_the_model_has_within_bounds() -> None:
+    from twinflow.tune.probes import MIN_PROBE_ELEMENTS, PROBE_ELEMENTS, probe_elements
+
+    assert probe_elements(72) == MIN_PROBE_ELEMENTS  # a call this small would time its fixed cost alone
+    assert probe_elements(3_448_704) == 3_448_704
+    assert probe_elements(1_300_000_000) == PROBE_ELEMENTS
+
+
+# ---------------------------------------------------------------- explain(): one sentence a person can read
+
+
+def gib_text(nbytes: float) -> str:
+    """How the sentence writes an amount of memory: 0.1 GiB from 10 GiB up, else 0.01 GiB, else two digits."""
+    gib = nbytes / GIB
+    if gib >= 10 or gib >= 0.01 or gib <= 0:
+        return f"{gib:.1f} GiB" if gib >= 10 else f"{gib:.2f} GiB"
+    decimals = 2
+    while round(gib, decimals) < 0.1 ** (decimals - 1) and decimals < 6:  # two significant digits
+        decimals += 1
+    return f"{gib:.{decimals}f} GiB"
+
+
+def test_memory_reads_in_gib_with_two_significant_digits_when_small() -> None:
+    assert [gib_text(b) for b in (40 * GIB, 1.5 * GIB, 0.0026 * GIB, 35_360, 0)] == [
+        "40.0 GiB", "1.50 GiB", "0.0026 GiB", "0.000033 GiB", "0.00 GiB"]  # fmt: skip
+
+
+def numbers(text: str) -> list[float]:
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", text)]
+
+
+def assert_one_plain_sentence(text: str) -> None:
+    assert "\n" not in text and text.endswith(".") and text.count(". ") == 0, text
+    assert not re.search(r"\b(inf|nan|None)\b", text, re.IGNORECASE), text
+    assert not re.search(r"\d e[+-]?\d|\de[+-]?\d", text), text  # no exponent notation
+
+
+def machine_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+@pytest.mark.parametrize("kernel, torch_adam, ratio", [(1e9, 2e9, 0.0), (1e9, 1e3, 1.0)])
+def test_explain_on_a_cpu_has_no_absurd_number(monkeypatch: pytest.MonkeyPatch, kernel: float, torch_adam: float,
+                                               ratio: float) -> None:  # fmt: skip
+    """The decision TwinFlowAdam(ratio="auto") takes on a CPU: no device budget (it was 2**62 bytes, shown as
+    4e18), and a sentence whose every number is below this machine's memory in GiB."""
+    fixed_rates(monkeypatch, kernel=kernel, torch_adam=torch_adam)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    opt = TwinFlowAdam(model.parameters(), ratio="auto").attach(model)
+    torch.nn.functional.mse_loss(model(torch.randn(8, 64)), torch.randn(8, 4)).backward()
+    opt.step()
+    d = opt.auto_decision
+    assert d["ratio"] == ratio and d["inputs"]["budget_bytes"] is None
+    text = explain(d)
+    assert_one_plain_sentence(text)
+    assert f"chose {ratio:.2f}" in text and "no device memory limit (the device is the CPU)" in text
+    assert max(numbers(text)) <= machine_memory_gib(), text
+    assert ("twinflow's kernel (1.00 Gparam/s) steps faster" in text) == (ratio == 1.0), text
+    assert f"takes {gib_text(d['predicted_host_bytes'])} of host memory" in text
+
+
+@pytest.mark.parametrize(
+    "kw, binding, words",
+    [
+        (dict(budget_bytes=16 * GIB), "device_memory", "least share on the CPU"),
+        (dict(budget_bytes=200 * GIB, gpu_elements_per_s=1e12), "time", "fastest step that fits"),
+        (dict(budget_bytes=GIB), "nothing_fits", "even ratio 1"),
+        (dict(budget_bytes=70 * GIB, host_bytes_per_element=14.0, host_budget_bytes=15 * GIB, **RATES["gpu-bound"]),
+         "host_memory", "the host's memory"),
+        (dict(budget_bytes=70 * GIB, **RATES["gpu-bound"]), "time", "smallest ratio predicted within 2%"),
+    ],
+)  # fmt: skip
+def test_explain_names_what_bound_the_choice_in_words_and_gib(kw: dict, binding: str, words: str) -> None:
+    x = inputs(**kw)
+    d = choose_ratio(x, "first", overlap=False, eager=False)
+    assert d["binding"] == binding
+    text = explain(d)
+    assert_one_plain_sentence(text)
+    assert words in text and f"chose {d['ratio']:.2f}" in text, text
+    assert gib_text(x.budget_bytes) in text and gib_text(d["predicted_peak_bytes"]) in text, text
+    if binding == "host_memory":
+        assert gib_text(x.host_budget_bytes) in text and f"at most ratio {d['fastest_fitting_ratio']:.2f}" in text

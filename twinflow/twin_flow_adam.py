@@ -19,6 +19,7 @@ import torch
 from twinflow import device_side, ops, speculation
 from twinflow.compact import check_state_precision
 from twinflow.cpu_adam import ParamsT, adam_defaults, align_group_flags, check_adamw_flags
+from twinflow.notice import notice
 from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
 from twinflow.pipeline import StepArgs, check_chunk_bytes, check_delay_after
@@ -26,7 +27,7 @@ from twinflow.speculation import SpeculationPolicy
 from twinflow.split_state import ENTRY_KEYS, SplitState, validated
 from twinflow.state_map import ParamState, StateMap
 from twinflow.step_scale import StepScale, check_max_grad_norm
-from twinflow.tune import IterationProbe
+from twinflow.tune import IterationProbe, explain
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             state_precision=self.state_precision,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
-        log.info("TwinFlowAdam ratio='auto' chose %.3f: %s", self.ratio, self.auto_decision)
+        notice("%s", explain(self.auto_decision))  # the whole decision stays in self.auto_decision
         self._build()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

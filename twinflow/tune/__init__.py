@@ -32,13 +32,23 @@ F and B: forward and backward time):
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
   against 0.221 s at ratio 0, where a perfect overlap predicts no cost).
 
+- time, the device is the CPU (a model on the CPU: the "device side" is
+  torch's fused Adam on this CPU, in the same host memory): F + B + G + C,
+  with G measured on the CPU. One set of cores runs everything, so neither
+  side hides behind the other or behind the forward and backward; the ratio
+  only chooses which Adam steps faster here: the fastest fitting ratio, or the
+  smallest fitting one where it is within 2% (never a near-tie in between).
+
 - host memory: host(r) = r N x (the CPU share's state bytes per element in
   its ``state_precision``: 12, 6.008 or 5.008; + its pinned staging, the
   parameter's bytes, twice with the delayed update or speculation; + 12
   for speculation's second state set). The host budget is what the host can
   still give when the first step begins (``MemAvailable``, or less under a
   cgroup limit), less ``margin`` of it, split evenly between the job's
-  ranks on the host (torchrun's ``LOCAL_WORLD_SIZE``).
+  ranks on the host (torchrun's ``LOCAL_WORLD_SIZE``). When the device is the
+  CPU, the device side's state is host memory too: host(r) adds (1 - r) N x
+  its bytes and the upcast batch, and there is no device memory limit
+  (``budget_bytes`` None) unless ``budget`` is given.
 
 The choice: among ratios whose predicted peak fits the memory budget (what
 the device can give, or a smaller ``budget`` in bytes, less ``margin`` of it)
@@ -47,8 +57,13 @@ predicted within 2% of the fastest, the smallest of them. (Measured on an
 H100: where the model predicts the CPU's work fully hidden, the ratio at the
 edge of that region was 30% slower than ratio 0, so the choice does not trade
 predicted-free time for memory headroom.)
+The decision also names what bound it (``binding``: "time", "device_memory",
+"host_memory" or "nothing_fits"); :func:`explain` says it in one sentence.
 ``python -m twinflow.tune`` runs this for an OPT model and prints the
 decision and a table of predicted against measured step time.
+
+The probes (:mod:`twinflow.tune.probes`) report the fastest call of a window
+of calls after an untimed warm-up.
 
 When no ratio fits both budgets, ``ratio="auto"`` raises rather than guess
 (a host out of memory kills the process): the error gives the ratios each
@@ -59,6 +74,7 @@ user may opt into; auto never changes the precision itself.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -67,14 +83,14 @@ from typing import Any
 
 import torch
 
-from twinflow import compact, ops
+from twinflow import compact
 from twinflow.device_side import UPCAST_ELEMENTS
+from twinflow.tune.probes import cpu_kernel_rate, device_adam_rate, pcie_rate, probe_elements
 
 log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
-_PROBE_ELEMENTS = 1 << 26  # 1 GiB of fp32 state: well past a 300 MiB L3, which would flatter the kernel
 
 
 @dataclass
@@ -88,20 +104,25 @@ class Inputs:
     released_bytes_per_ratio: int  # gradient bytes backward hands back per unit of ratio (0 when not released)
     first_peak_bytes: int  # peak GPU memory of the first forward + backward
     at_step_bytes: int  # GPU memory in use when the first step() begins (parameters and every gradient)
-    budget_bytes: int  # what the device can give, less the margin
+    budget_bytes: int | None  # what the device can give, less the margin; None: no limit (the device is the CPU)
     forward_s: float
     backward_s: float
     cpu_elements_per_s: float
-    gpu_elements_per_s: float
+    gpu_elements_per_s: float  # the device side's Adam, measured where it runs (this CPU when the device is the CPU)
     pcie_bytes_per_s: float
     host_bytes_per_element: float = 0.0  # host memory per CPU-stepped element: state, staging (module docstring)
     host_budget_bytes: float = float("inf")  # what the host can give, less the margin
     state_precision: str = "fp32"
+    device_is_cpu: bool = False  # the device side steps on this CPU too, in host memory, on the same cores
 
 
 def predict_host(inputs: Inputs, ratio: float) -> float:
-    """Host memory of the CPU share at `ratio`: its state and pinned staging."""
-    return ratio * inputs.elements * inputs.host_bytes_per_element
+    """Host memory of the CPU share at `ratio` (its state and pinned staging); where the device is the CPU, of
+    the device side's state too."""
+    cpu_share = ratio * inputs.elements * inputs.host_bytes_per_element
+    if inputs.device_is_cpu:
+        return cpu_share + (1 - ratio) * inputs.elements * inputs.state_bytes_per_element + inputs.temp_bytes
+    return cpu_share
 
 
 def host_bytes_per_element(precision: str, staging_bytes: float, delayed: bool, speculative: bool) -> float:
@@ -165,6 +186,7 @@ class NoRatioFits(ValueError):
 
 
 def predict_peak(inputs: Inputs, ratio: float) -> float:
+    """Peak device memory at `ratio` (the module docstring's model)."""
     state = (1 - ratio) * inputs.elements * inputs.state_bytes_per_element + inputs.temp_bytes
     steady = inputs.first_peak_bytes + state - ratio * inputs.released_bytes_per_ratio
     first_step = inputs.at_step_bytes + state  # no gradient has been released before the split exists
@@ -181,6 +203,8 @@ def predict_time(
         cpu += min(ratio * inputs.grad_bytes, 128 << 20) / inputs.pcie_bytes_per_s
     gpu = (1 - ratio) * inputs.elements / inputs.gpu_elements_per_s
     f, b = inputs.forward_s, inputs.backward_s
+    if inputs.device_is_cpu:  # one set of cores runs both sides and the model: nothing hides behind anything
+        return f + b + gpu + cpu
     if not overlap and not delayed:
         return f + b + max(gpu, cpu)
     if delayed:
@@ -196,7 +220,7 @@ def choose_ratio(
     inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100, delayed: bool = False,
     speculative: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """The decision and what it rests on (see the module docstring for the rule)."""
+    """The decision and what it rests on (see the module docstring for the rule and ``binding``)."""
     ratios = [k / grid for k in range(grid + 1)]
     table = [
         {
@@ -208,7 +232,7 @@ def choose_ratio(
         for r in ratios
     ]
     on_host = [row for row in table if row["host_bytes"] <= inputs.host_budget_bytes]
-    fits = [row for row in on_host if row["peak_bytes"] <= inputs.budget_bytes]
+    fits = [row for row in on_host if _on_device(inputs, row)]
     if not fits and len(on_host) < len(table):
         raise NoRatioFits(_no_ratio_message(inputs, table, on_host, delayed, speculative))
     if not fits:
@@ -218,7 +242,10 @@ def choose_ratio(
     else:
         best = min(fits, key=lambda row: row["time_s"])
         chosen = min((row for row in fits if row["time_s"] <= best["time_s"] * (1 + _TIE)), key=lambda r: r["ratio"])
+        if inputs.device_is_cpu and chosen is not fits[0]:  # time is linear in the ratio: a ratio in between is
+            chosen = best  # never the fastest, only nearly; the tie goes to the smallest ratio that fits
     return {
+        "binding": _binding(inputs, table, table.index(chosen), table.index(best), bool(fits)),
         "ratio": chosen["ratio"],
         "predicted_time_s": chosen["time_s"],
         "predicted_peak_bytes": chosen["peak_bytes"],
@@ -233,10 +260,91 @@ def choose_ratio(
     }
 
 
+def _on_device(inputs: Inputs, row: dict) -> bool:
+    return inputs.budget_bytes is None or row["peak_bytes"] <= inputs.budget_bytes
+
+
+def _binding(inputs: Inputs, table: list[dict], chosen: int, best: int, any_fits: bool) -> str:
+    """What kept the choice (table[chosen]; table[best] the fastest fitting) from a ratio predicted faster: device
+    memory (a smaller ratio), host memory (a larger ratio than the fastest that fits), or nothing ("time": the
+    choice is predicted fastest, or within the tie of the fastest)."""
+    if not any_fits:
+        return "nothing_fits"
+    below = table[chosen - 1] if chosen > 0 else None
+    if below is not None and below["time_s"] < table[chosen]["time_s"] and not _on_device(inputs, below):
+        return "device_memory"
+    above = table[best + 1] if best + 1 < len(table) else None
+    if above is not None and above["time_s"] < table[best]["time_s"] and above["host_bytes"] > inputs.host_budget_bytes:
+        return "host_memory"
+    return "time"
+
+
+def _gib(nbytes: float) -> str:
+    """Memory in GiB, with two significant digits below 0.01 GiB (a small model's state is not 0.00 GiB)."""
+    gib = nbytes / 2**30
+    if gib >= 10:
+        return f"{gib:.1f} GiB"
+    if gib >= 0.01 or gib <= 0:
+        return f"{gib:.2f} GiB"
+    return f"{gib:.{min(6, 1 - math.floor(math.log10(gib)))}f} GiB"
+
+
+def _rate(elements_per_s: float) -> str:
+    return f"{elements_per_s / 1e9:.2f} Gparam/s" if math.isfinite(elements_per_s) else "not measured"
+
+
+def explain(decision: dict[str, Any]) -> str:
+    """One sentence for a person about a ``ratio="auto"`` decision (``opt.auto_decision``, choose_ratio's dict):
+    the ratio chosen, what bound it, in words, and the memory it plans for, in GiB; no limit reads as words."""
+    x = Inputs(**decision["inputs"])
+    ratio, binding = decision["ratio"], decision.get("binding", "time")
+    times = {r: predict_time(x, r, decision["placement"], decision["overlap"], decision["eager"],
+                             decision["delayed"], decision["speculative"])
+             for r in (0.0, ratio, 1.0 - ratio, 1.0, decision["fastest_fitting_ratio"])}  # fmt: skip
+    peak, host = decision["predicted_peak_bytes"], decision["predicted_host_bytes"]
+    budget = "no device memory limit" if x.budget_bytes is None else f"a device memory budget of {_gib(x.budget_bytes)}"
+    if binding == "nothing_fits":
+        why = f"even ratio 1 is predicted to need {_gib(peak)} of device memory, over {budget}"
+    elif binding == "device_memory":
+        why = (f"it is the least share on the CPU that keeps the device's predicted peak ({_gib(peak)}) within "
+               f"{budget}; less would be faster but would not fit")  # fmt: skip
+    elif binding == "host_memory":
+        fastest = decision["fastest_fitting_ratio"]
+        tie = "" if ratio == fastest else f", and {ratio:.2f} is predicted within 2% of that"
+        why = (f"more on the CPU would be predicted faster, but the host's memory ({_gib(x.host_budget_bytes)} after "
+               f"the margin) holds at most ratio {fastest:.2f}{tie}")  # fmt: skip
+    elif x.device_is_cpu:
+        kernel, torch_adam = f"twinflow's kernel ({_rate(x.cpu_elements_per_s)})", _rate(x.gpu_elements_per_s)
+        steps = f"a predicted step of {times[ratio]:.3f} s against {times[1.0 - ratio]:.3f} s at ratio {1 - ratio:g}"
+        if ratio > 0.0:
+            why = f"on this CPU {kernel} steps faster than torch's Adam ({torch_adam}): {steps}"
+        elif x.cpu_elements_per_s <= x.gpu_elements_per_s:
+            why = f"on this CPU torch's Adam ({torch_adam}) steps at least as fast as {kernel}: {steps}"
+        else:
+            why = (f"on this CPU {kernel} is faster than torch's Adam ({torch_adam}) but saves under 2% of the step "
+                   f"({steps}), and ratio 1 would take {_gib(predict_host(x, 1.0))} of host memory for the optimizer's "
+                   f"state against {_gib(predict_host(x, 0.0))}")  # fmt: skip
+    elif ratio == decision["fastest_fitting_ratio"]:
+        why = f"it is predicted to give the fastest step that fits in memory ({times[ratio]:.3f} s)"
+    else:
+        fastest = decision["fastest_fitting_ratio"]
+        why = (f"it is the smallest ratio predicted within 2% of the fastest ({fastest:.2f}: {times[fastest]:.3f} s "
+               f"against {times[ratio]:.3f} s)")  # fmt: skip
+    free = f" ({_gib(x.host_budget_bytes)} free after the margin)" if math.isfinite(x.host_budget_bytes) else ""
+    if x.device_is_cpu:
+        device = budget + (" (the device is the CPU)" if x.budget_bytes is None else "")
+        memory = f"{device}; the optimizer's state takes {_gib(host)} of host memory{free}"
+    else:
+        over = "over" if binding == "nothing_fits" else "within"
+        memory = (f"predicted device peak {_gib(peak)} {over} {budget}; the CPU share's state takes {_gib(host)} of "
+                  f"host memory{free}")  # fmt: skip
+    return f"ratio='auto' chose {ratio:.2f} because {why}; {memory}."
+
+
 def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], delayed: bool,
                       speculative: bool) -> str:  # fmt: skip
     gib = 1 << 30
-    on_device = [row["ratio"] for row in table if row["peak_bytes"] <= inputs.budget_bytes]
+    on_device = [row["ratio"] for row in table if _on_device(inputs, row)]
     need = f"at least {min(on_device):.2f}" if on_device else "more than 1 (none fits)"
     host_max = max((row["ratio"] for row in on_host), default=None)
     holds = f"at most {host_max:.2f}" if host_max is not None else "none, not even 0"
@@ -248,75 +356,22 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
             limit = inputs.host_budget_bytes / (inputs.elements * per)
             options.append(f"state_precision={precision!r} ({per:.1f} bytes: ratio up to {min(1.0, limit):.2f})")
     fix = ("; the CPU share's state can be made smaller (opt-in, not exact): " + ", ".join(options)) if options else ""
+    if inputs.device_is_cpu and inputs.budget_bytes is None:
+        least = min(row["host_bytes"] for row in table)
+        return (
+            "ratio='auto': the optimizer's state does not fit this host's memory at any ratio (the device is the "
+            f"CPU, so both sides' state is host memory): the least it takes is {least / gib:.1f} GiB, and the host "
+            f"can still give {inputs.host_budget_bytes / gib:.1f} GiB after the margin. Free host memory, or set "
+            "memory_margin lower"
+        )
+    device = "no device memory limit" if inputs.budget_bytes is None else f"{inputs.budget_bytes / gib:.1f} GiB"
     return (
-        f"ratio='auto': no ratio fits both memories. The device budget ({inputs.budget_bytes / gib:.1f} GiB) needs "
+        f"ratio='auto': no ratio fits both memories. The device budget ({device}) needs "
         f"ratio {need}; the host can still give {inputs.host_budget_bytes / gib:.1f} GiB after the margin, which at "
         f"{inputs.host_bytes_per_element:.1f} bytes per CPU-stepped parameter (state_precision="
         f"{inputs.state_precision!r}, pinned staging included) holds ratio {holds}. Free host or device memory, or "
         f"set memory_budget/memory_margin{fix}"
     )
-
-
-def _timed(fn, repeats: int, cuda: bool) -> float:
-    """Best of `repeats` after one warm-up, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def cpu_kernel_rate(num_threads: int | None, elements: int = _PROBE_ELEMENTS, state_precision: str = "fp32") -> float:
-    """Elements per second of the CPU kernel (bf16 gradient in, bf16 weight out), on fresh host memory, with the
-    state in `state_precision` ("fp32", "int8" or "int8_m24")."""
-    gen = torch.Generator().manual_seed(0)
-    p, g = torch.randn(elements, generator=gen), torch.randn(elements, generator=gen).bfloat16()
-    params, extra = [p], {}
-    if state_precision == "fp32":
-        moments, kernel = [torch.zeros(elements), torch.zeros(elements)], ops.adam_step_
-    else:
-        moments, kernel = compact.fresh(elements), ops.adam_step_q8_
-        if state_precision == "int8_m24":
-            params, extra = compact.kernel_masters([compact.Master24.empty(elements).copy_(p)])
-    step = [0]
-
-    def run() -> None:
-        step[0] += 1
-        kernel(params, [g], *([t] for t in moments), [step[0]], lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8,
-               out_copies=[g], num_threads=num_threads, **extra)  # fmt: skip
-
-    return elements / _timed(run, 3, cuda=False)
-
-
-def gpu_adam_rate(device: torch.device, elements: int) -> float:
-    """Elements per second of the device side's step (upcast, fused AdamW, copy back)."""
-    if device.type != "cuda":
-        return float("inf")
-    w = torch.randn(elements, device=device, dtype=torch.bfloat16)
-    master, m, v = w.float(), torch.zeros(elements, device=device), torch.zeros(elements, device=device)
-    grad, step = torch.randn_like(w), torch.zeros((), device=device)
-
-    def run() -> None:
-        torch._fused_adamw_([master], [grad.float()], [m], [v], [], [step], lr=1e-5, beta1=0.9, beta2=0.999,
-                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
-        w.copy_(master)
-
-    return elements / _timed(run, 3, cuda=True)
-
-
-def pcie_rate(device: torch.device, nbytes: int = 64 << 20) -> float:
-    """Device-to-host bytes per second into pinned memory."""
-    if device.type != "cuda":
-        return float("inf")
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return nbytes / _timed(lambda: dst.copy_(src, non_blocking=True), 3, cuda=True)
 
 
 class IterationProbe:
@@ -368,22 +423,32 @@ class IterationProbe:
         speculative: bool = False,
         state_precision: str = "fp32",
     ) -> dict[str, Any]:
+        """Measures what the first iteration left (memory, times) and the probes, and chooses (choose_ratio's
+        decision, plus ``release_grads`` and ``state_precision``). Called at the first ``step()``."""
         step_start = self._now()
         overlap = "forward_end" in self._marks
         forward = self._marks["forward_end"] - self._marks["forward_start"] if overlap else 0.0
         backward = step_start - self._marks["forward_end"] if overlap else 0.0
         elements = sum(p.numel() for p in params)
         low = sum(p.numel() for p in params if p.dtype != torch.float32)
+        by_dtype: dict[torch.dtype, int] = {}
+        for p in params:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        dtype = max(by_dtype, key=by_dtype.__getitem__, default=torch.bfloat16)  # the staging's, mostly
+        on_cpu = self.device.type == "cpu"
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             capacity = free + torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             at_step = torch.cuda.memory_allocated(self.device)
             host_budget = host_available_bytes() * (1 - margin) / local_ranks()  # each rank its share
-        else:  # both sides' state is in host memory then: the ratio does not change how much
-            capacity, peak, at_step, host_budget = 1 << 62, 0, 0, float("inf")
+        else:  # no device memory to read; on the CPU, both sides' state is host memory (predict_host)
+            capacity, peak, at_step = None, 0, 0
+            host_budget = host_available_bytes() * (1 - margin) / local_ranks() if on_cpu else float("inf")
         # The margin stays free below whichever limit applies (a 30 GiB budget plans for 27 GiB at margin 0.1).
-        budget = int((capacity if budget is None else min(capacity, int(budget))) * (1 - margin))
+        limits = [int(x) for x in (capacity, budget) if x is not None]
+        budget = int(min(limits) * (1 - margin)) if limits else None  # None: no device memory limit
+        probe_n, tensors = probe_elements(elements), len(params) if on_cpu else 1
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = Inputs(
             elements=elements,
@@ -398,14 +463,18 @@ class IterationProbe:
             budget_bytes=budget,
             forward_s=forward,
             backward_s=backward,
-            cpu_elements_per_s=cpu_kernel_rate(num_threads, state_precision=state_precision),
-            gpu_elements_per_s=gpu_adam_rate(self.device, min(elements, 1 << 22) or 1),
+            cpu_elements_per_s=cpu_kernel_rate(num_threads, probe_n, state_precision, dtype=dtype, tensors=tensors),
+            # on the CPU, on the same elements as the kernel: the two compete for the same work
+            gpu_elements_per_s=device_adam_rate(
+                self.device, probe_n if on_cpu else min(elements, 1 << 22) or 1, dtype=dtype, tensors=tensors
+            ),
             pcie_bytes_per_s=pcie_rate(self.device),
             host_bytes_per_element=host_bytes_per_element(
                 state_precision, grad_bytes / max(elements, 1), delayed, speculative
             ),  # fmt: skip
             host_budget_bytes=host_budget,
             state_precision=state_precision,
+            device_is_cpu=on_cpu,
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
