@@ -32,14 +32,15 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["twinflow", "twinflow.*"]),
-    # torch is deliberately unpinned: install the build for your machine first
-    # (CPU: `pip install torch==2.13.0`), and pip keeps it.
+    # torch is deliberately unpinned: install the build for your machine first (CPU only:
+    # `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`), and pip keeps it.
     install_requires=["torch>=2.4", "numpy", "ninja", "pydantic>=2.6"],
     extras_require={
-        # Everything the test suite runs: the examples and benchmarks it drives, and the clients
-        # (Hugging Face transformers and accelerate) it drives twinflow from.
-        "test": ["pytest>=8", "ruff==0.17.6", "tqdm", "transformers>=4.46", "accelerate>=1.0"],
-        "examples": ["tqdm", "transformers>=4.46"],
+        # Everything the test suite runs: the examples and benchmarks it drives (matplotlib for their
+        # plots), and the clients (Hugging Face transformers and accelerate) it drives twinflow from.
+        "test": ["pytest>=8", "ruff==0.17.6", "tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],
+        # accelerate: transformers.Trainer refuses to run without it
+        "examples": ["tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],
         "compare": ["deepspeed"],
     },
     ext_modules=ext_modules,

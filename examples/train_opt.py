@@ -7,17 +7,22 @@ Random init is materialised directly on the device in the training dtype (no
 fp32 detour through host memory), or --model-path loads local Hugging Face
 weights. --data is a local text file, tokenised offline as UTF-8 bytes (ids
 0-255, all inside OPT's vocabulary); without it, synthetic token sequences
-with a structure to learn. Shows a progress bar (loss, tokens/s, TFLOP/s per
-GPU, GPU and host memory) and prints a JSON summary at the end. On a CPU-only
-machine the smallest model trains in fp32 for a few steps. A bad --config or
---data file is reported in one line before anything is built.
+with a structure to learn. Says on stderr when the model is being built and
+how long that took, then shows a progress bar (loss, tokens/s, model TFLOP/s
+per GPU or per CPU process, GPU and host memory) and prints a JSON summary at
+the end; --summary FILE.json also writes it to FILE.json and the loss curve to
+FILE.png (with matplotlib installed). On a CPU-only machine the smallest model
+trains in fp32 for a few steps. A bad --config or --data file is reported in
+one line before anything is built.
 """
 
 import argparse
+import io
 import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -77,6 +82,46 @@ def synthetic_batches(vocab: int, batch: int, seq: int, seed: int):
         yield (start + stride * torch.arange(seq)) % vocab
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Writes `path` through a temporary file and a rename: a crash leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def plot_losses(losses: list[float], title: str, path: Path) -> str:
+    """Writes the loss curve to `path` as a PNG; the line to print about it (how to get it if matplotlib is
+    missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            'loss plot skipped: matplotlib is not installed (pip install matplotlib, or pip install -e ".[examples]")'
+        )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses, marker="o" if len(losses) <= 50 else None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    write_atomically(path, buffer.getvalue())
+    return f"loss curve written to {path}"
+
+
+def format_rate(flops_per_second: float) -> str:
+    """TFLOP/s to three significant figures: a CPU's 0.05 must not print as 0.0."""
+    return f"{flops_per_second / 1e12:.3g}"
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer of at least 1."""
     value = int(text)
@@ -95,7 +140,9 @@ def main() -> None:
     parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps")
     parser.add_argument("--seq-len", type=positive_int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--summary", default=None, help="also write the JSON summary here")
+    parser.add_argument(
+        "--summary", default=None, help="also write the JSON summary here, and the loss curve beside it (.png)"
+    )
     args = parser.parse_args()
 
     def fail(message: str) -> NoReturn:
@@ -129,7 +176,15 @@ def main() -> None:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else torch.float32
 
+    def say(message: str) -> None:
+        # stderr, like the progress bar: stdout stays the JSON summary alone
+        if rank == 0:
+            print(message, file=sys.stderr, flush=True)
+
     torch.manual_seed(args.seed)
+    build_start = time.perf_counter()
+    say(f"building {args.model_path or args.model} ({'local weights' if args.model_path else 'random init'}, "
+        f"{dtype} on {device}) ...")  # fmt: skip
     if args.model_path:
         from transformers import OPTForCausalLM
 
@@ -140,7 +195,12 @@ def main() -> None:
     else:
         model = build_opt(args.model, device, dtype)
     params = sum(p.numel() for p in model.parameters())
+    say(f"built {args.model_path or args.model}: {params / 1e6:.1f}M parameters in "
+        f"{time.perf_counter() - build_start:.1f} s")  # fmt: skip
+    init_start = time.perf_counter()
     engine, optimizer, _, _ = twinflow.initialize(model=model, config=config)
+    say(f"twinflow.initialize (ratio {config.ratio}) took {time.perf_counter() - init_start:.1f} s; training "
+        "(the first step is several times slower than the next: one-time allocations and warm-up)")  # fmt: skip
 
     micro, accumulation = config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
     seed = args.seed + 1 + rank
@@ -166,7 +226,7 @@ def main() -> None:
         if hasattr(bar, "set_postfix"):
             host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             shown = dict(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
-                         tflops=f"{flops_per_step / elapsed / 1e12:.1f}")  # fmt: skip
+                         tflops=format_rate(flops_per_step / elapsed))  # fmt: skip
             if cuda:  # no GPU figure on a CPU run (the summary says null there too)
                 shown["gpu_gib"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
             bar.set_postfix(**shown, host_gib=f"{host:.1f}")
@@ -194,7 +254,13 @@ def main() -> None:
     if rank == 0:
         print(json.dumps(summary, indent=2))
         if args.summary:
-            Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+            summary_path = Path(args.summary)
+            write_atomically(summary_path, (json.dumps(summary, indent=2) + "\n").encode())
+            plot_path = summary_path.with_suffix(".png")
+            if plot_path == summary_path:  # --summary x.png: keep the JSON
+                plot_path = summary_path.with_name(summary_path.name + ".png")
+            title = f"{args.model_path or args.model}, ratio {config.ratio}, {dtype} on {device}"
+            say(plot_losses(losses, title, plot_path))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

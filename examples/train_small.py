@@ -3,8 +3,10 @@
     python examples/train_small.py --steps 60 --ratio 0.4
 
 Runs on a GPU when there is one (bf16 weights, fp32 masters), else on the CPU
-(fp32; the "GPU side" then also runs on the CPU). Prints the split, a progress
-bar with the loss, and a JSON summary at the end.
+(fp32; the "GPU side" then also runs on the CPU). Prints the model's size, then
+the split once the optimizer is set up (the first run compiles the CPU kernel,
+with a line saying so), a progress bar with the loss, and a JSON summary at the
+end.
 """
 
 import argparse
@@ -65,6 +67,13 @@ def main() -> None:
     torch.manual_seed(0)
     vocab = 512
     model = TinyLM(vocab, args.dim, args.layers, 4, args.seq).to(device=device, dtype=dtype)
+    # Said before the optimizer exists: its first construction may compile the CPU kernel (it says so).
+    print(
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params on {device} ({dtype}); "
+        f"setting up TwinFlowAdam (ratio {args.ratio}) ...",
+        flush=True,
+    )
+    setup_start = time.perf_counter()
     opt = TwinFlowAdam(
         model.parameters(), lr=args.lr, weight_decay=0.01, ratio=args.ratio, placement=args.placement, max_grad_norm=1.0
     )
@@ -73,9 +82,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     split = opt.split_summary
     print(
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params on {device} ({dtype}); "
-        f"CPU steps {split['cpu']['elements']:,} elements in {split['cpu']['tensors']} tensors "
-        f"(ratio {split['ratio_achieved']:.3f}), device steps {split['device']['elements']:,}"
+        f"TwinFlowAdam ready in {time.perf_counter() - setup_start:.1f} s: CPU steps {split['cpu']['elements']:,} "
+        f"elements in {split['cpu']['tensors']} tensors (ratio {split['ratio_achieved']:.3f}), "
+        f"device steps {split['device']['elements']:,}",
+        flush=True,
     )
     gen = torch.Generator().manual_seed(1)
     losses, start = [], time.perf_counter()

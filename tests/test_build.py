@@ -1,5 +1,10 @@
 """Build diagnostics: a missing tool is named, with how to get it."""
 
+import logging
+import re
+import threading
+from collections.abc import Callable
+
 import pytest
 
 from twinflow import ops
@@ -83,28 +88,71 @@ def test_build_error_in_the_worker_surfaces_as_itself(monkeypatch: pytest.Monkey
         opt.step()
 
 
-def test_a_slow_build_prints_one_visible_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    import threading
+def _notices(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "twinflow.notice" and r.levelno == logging.INFO]
 
-    from torch.utils import cpp_extension
 
-    printed = threading.Event()
-    real_notice = ops._print_build_notice
+def _announced_compile(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None] | None = None) -> Callable[..., None]:
+    """A cpp_extension.load that returns (or runs `then`) once the start notice is out, as a real compile
+    outlasts it."""
+    started = threading.Event()
+    real_notice = ops.notice
 
-    def notice() -> None:
-        real_notice()
-        printed.set()
+    def notice(message: str, *args: object) -> None:
+        real_notice(message, *args)
+        if message.startswith("compiling"):
+            started.set()
 
-    def slow_compile(**kwargs) -> None:  # returns once the notice is out, as a real compile outlasts it
-        assert printed.wait(timeout=60), "no build notice while the kernel compiled"
+    def compile_(**kwargs) -> None:
+        assert started.wait(timeout=60), "no notice while the kernel compiled"
+        if then is not None:
+            then()
 
     monkeypatch.setattr(ops, "_BUILD_NOTICE_AFTER_S", 0.0)
-    monkeypatch.setattr(ops, "_print_build_notice", notice)
+    monkeypatch.setattr(ops, "notice", notice)
     monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
-    monkeypatch.setattr(cpp_extension, "load", slow_compile)
-    ops._build_and_load()
-    err = capsys.readouterr().err
-    assert err.count("twinflow: compiling the CPU Adam kernel") == 1 and "first use only" in err
+    return compile_
+
+
+def test_a_slow_build_gives_a_start_notice_and_one_with_its_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", _announced_compile(monkeypatch))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/some/cache")
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        ops._build_and_load()
+    first, *rest = _notices(caplog)
+    assert first.startswith("compiling the CPU Adam kernel (first use only") and "cached under /some/cache" in first
+    assert len(rest) == 1 and re.fullmatch(r"CPU Adam kernel compiled in \d+ s", rest[0]), rest
+
+
+def test_a_cached_load_gives_no_notice(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setattr(ops, "_BUILD_NOTICE_AFTER_S", 3600.0)  # a cached load ends long before this
+    monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: loads.append(kwargs["name"]))
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        ops._build_and_load()
+    assert loads == ["twinflow_cpu_adam"] and _notices(caplog) == []
+
+
+def test_a_failed_build_gives_no_seconds_notice(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    from torch.utils import cpp_extension
+
+    def fail() -> None:
+        raise RuntimeError("error: no such header")
+
+    monkeypatch.setattr(cpp_extension, "load", _announced_compile(monkeypatch, then=fail))
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        with pytest.raises(ops.BuildError, match=r"no such header\nSet TWINFLOW_VERBOSE_BUILD=1"):
+            ops._build_and_load()
+    notices = _notices(caplog)  # the error says what happened; no line claims the kernel compiled
+    assert len(notices) == 1 and notices[0].startswith("compiling the CPU Adam kernel"), notices
 
 
 def test_a_lock_left_by_a_killed_build_is_named_not_waited_for_forever(monkeypatch: pytest.MonkeyPatch,

@@ -11,7 +11,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import sysconfig
 import threading
 import time
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from twinflow.notice import notice
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ _SOURCES = ("cpu_adam.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avx5
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 _LOAD_LOCK = threading.Lock()
 _loaded = False
-# A cached kernel loads in well under this; a compile takes about 15 s. Past it, one line tells the user why
-# the program is quiet (a progress bar would otherwise stall with no explanation).
+# torch decides inside cpp_extension.load() whether to compile, so a compile is known only by how long the load
+# takes: a cached kernel loads in well under this (0.04 s), a compile takes 10-45 s on 2 cores. Past it, one line
+# says why the program is quiet (a progress bar would otherwise stall with no explanation); a cached load says nothing.
 _BUILD_NOTICE_AFTER_S = 1.0
 # A build takes about 15-60 s; a lock older than this is left by a build that was killed (torch would wait forever).
 _LOCK_WAIT_S = 600.0
@@ -88,9 +90,7 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
     log.info("loading the twinflow CPU Adam kernel (compiled on first use, cached afterwards)")
-    notice = threading.Timer(_BUILD_NOTICE_AFTER_S, _print_build_notice)
-    notice.daemon = True
-    notice.start()
+    build_notice = _BuildNotice()
     # Seen on one host: built through the `c++` name, the library came out
     # without libstdc++ and every C++ exception (each argument check) crashed
     # the process. Naming g++ and libstdc++ explicitly avoids that.
@@ -106,6 +106,7 @@ def _build_and_load() -> None:
             is_python_module=False,
             verbose=os.environ.get("TWINFLOW_VERBOSE_BUILD") == "1",
         )
+        build_notice.finish()
     except BuildError:
         raise
     except Exception as exc:  # the compiler's own message is in exc
@@ -115,7 +116,7 @@ def _build_and_load() -> None:
             "compiler with OpenMP (g++ >= 9), ninja, and the Python headers."
         ) from exc
     finally:
-        notice.cancel()
+        build_notice.cancel()
         if saved_cxx is None:
             del os.environ["CXX"]
         else:
@@ -140,14 +141,40 @@ def _wait_for_other_build(cpp_extension: object) -> None:
         time.sleep(0.5)
 
 
-def _print_build_notice() -> None:
-    """One visible line while the kernel compiles (library logging is often not configured)."""
-    where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
-    print(
-        f"twinflow: compiling the CPU Adam kernel (first use only, about 15 s; cached under {where})",
-        file=sys.stderr,
-        flush=True,
-    )
+class _BuildNotice:
+    """Two notices around a load that compiles: one once it has taken _BUILD_NOTICE_AFTER_S, and then one
+    with the seconds it took. A load that ends sooner (the cached kernel) gives neither."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._lock = threading.Lock()  # the start line is written before the end line, never after it
+        self._announced = False
+        self._over = False
+        self._timer = threading.Timer(_BUILD_NOTICE_AFTER_S, self._announce)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _announce(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self._announced = True
+            where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+            notice("compiling the CPU Adam kernel (first use only, 10-45 s on 2 cores; cached under %s)", where)
+
+    def finish(self) -> None:
+        """The load succeeded: says how long it took, if the start was announced."""
+        with self._lock:
+            self._over = True
+            if self._announced:
+                notice("CPU Adam kernel compiled in %.0f s", time.monotonic() - self._start)
+        self._timer.cancel()
+
+    def cancel(self) -> None:
+        """The load ended (a failure raises its own error): no start line from now on."""
+        with self._lock:
+            self._over = True
+        self._timer.cancel()
 
 
 def load() -> None:
