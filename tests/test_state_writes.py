@@ -357,3 +357,17 @@ def test_compact_state_writes_match_a_load_of_the_same_values(precision: str, ra
     masters_a = [e["master"] for e in opt_a.state_dict()["state"].values()]
     masters_b = [e["master"] for e in opt_b.state_dict()["state"].values()]
     torch.testing.assert_close(masters_a, masters_b, rtol=0, atol=0)
+
+
+def test_entries_read_before_ratio_auto_builds_its_state_are_kept() -> None:
+    model = make_model()
+    opt = TwinFlowAdam(model.parameters(), ratio="auto", chunk_bytes=256)
+    p = next(iter(model.parameters()))
+    opt.state[p]["note"] = 5  # before the first step: no state yet, the key is still kept
+    assert len(opt.state[p]) == 1
+    run(model, opt, batches(2))
+    assert opt.state[p]["note"] == 5 and float(opt.state[p]["step"]) == 2.0
+    fresh = make_model()
+    q = next(iter(fresh.parameters()))
+    with pytest.raises(RuntimeError, match="no state yet"):
+        TwinFlowAdam(fresh.parameters(), ratio="auto").state[q]["exp_avg"] = torch.zeros_like(q)

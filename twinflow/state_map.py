@@ -164,6 +164,10 @@ class StateMap(dict):
             if split.stepped(i):
                 entry = split.entry(i, handed=True)
                 state = self[p]
+                if not isinstance(state, ParamState):  # stored whole by torch or the user: kept, made ours
+                    state, kept = ParamState(self, p), state
+                    dict.update(state, {k: v for k, v in kept.items() if k not in ENTRY_KEYS})
+                    dict.__setitem__(self, p, state)
                 for key in ENTRY_KEYS:
                     state.own(key, entry.get(key))
             elif p in self:

@@ -95,6 +95,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.delay_after, self.speculate = delay_after, bool(speculate)
         self._speculation, self.memory_margin, self.memory_budget = SpeculationPolicy(), memory_margin, memory_budget
         self._split, self._groups_added = SplitState(self.param_groups, self.state_precision), False
+        self._states.bind(self._split)  # its index tells parameters from other keys before ratio='auto' builds
         self.device = self._split.device
         self._scale = StepScale(self.device, self._split.mesh_group)
         self._attachment: Attachment | None = None
