@@ -135,6 +135,12 @@ class StateMap(dict):
         for key in list(self):
             del self[key]
 
+    def replace(self, value: Mapping) -> None:
+        """``opt.state = value``: everything forgotten (parameters start afresh), then `value` written in."""
+        if value is not self:
+            self.clear()
+            self.update(value)
+
     def update(self, other: Mapping | Iterable = (), /, **kwargs: Any) -> None:
         for key, value in dict(other).items():
             self[key] = value

@@ -302,9 +302,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     @state.setter
     def state(self, value: dict) -> None:
         self.__dict__.setdefault("_states", StateMap())  # torch's __init__ assigns an empty defaultdict first
-        if value is not self._states:
-            self._states.clear()
-            self._states.update(value)
+        self._states.replace(value)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's ``state_dict`` (its hooks run), once the CPU share's last step has finished; it loads
