@@ -235,6 +235,10 @@ def worker(args) -> None:
         if rank == 0 and args.verbose:
             print(f"[{args.worker}] step {i}: loss {losses[-1]:.4f}, {ends[-1] - (ends[-2] if i else start):.3f} s",
                   flush=True)  # fmt: skip
+        if i == args.hold_after:  # a process mid-run at a known point, whatever the machine's speed
+            print(f"[{args.worker}] rank {rank} holds after step {i}", flush=True)
+            while True:
+                signal.pause()  # until a signal ends the process
     finish()
     sync()
     done = time.perf_counter()
@@ -373,6 +377,8 @@ def run_system(system: str, args, env: dict) -> dict:
                        "--placement", args.placement, "--clip", str(args.clip)]  # fmt: skip
         if args.verbose:
             worker_args.append("--verbose")
+        if args.hold_after is not None:
+            worker_args += ["--hold-after", str(args.hold_after)]
         if system.startswith("ds-") and torch.cuda.is_available():
             # DeepSpeed's op builder cannot parse an architecture such as '9.0a' (set on some images)
             major, minor = torch.cuda.get_device_capability()
@@ -431,6 +437,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return  # nothing measured: no figure
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     families = {}
     for r in ok:
@@ -479,6 +487,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print every step of every system")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    # every worker stops after this step and waits to be stopped: the timeout path, exercised at a known point
+    parser.add_argument("--hold-after", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

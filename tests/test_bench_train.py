@@ -3,14 +3,17 @@
 import json
 import math
 import os
-import re
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import bench_train
 from benchmarks.bench_train import deepspeed_config, failure, markdown, parse_system, twinflow_config
 from twinflow.models import build_opt
 
@@ -118,20 +121,71 @@ def workers_under(folder: Path) -> list[str]:
     return found
 
 
-def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path) -> None:
+def end_workers_under(folder: Path) -> None:
+    """Kills what a failing run left behind: a held worker never exits on its own."""
+    for line in workers_under(folder):
+        try:
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # exited meanwhile
+
+
+def test_a_timed_out_system_leaves_no_worker_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers under torchrun hold mid-run (--hold-after); the system's timeout fires once both hold."""
+    launchers = []
+
+    class HeldLauncher(subprocess.Popen):
+        """A system's launcher whose timeout fires once every worker holds, not after some seconds."""
+
+        def __init__(self, args: list[str], **kwargs) -> None:
+            super().__init__(args, **kwargs)
+            self.early, self.at_timeout = "", []
+            if "--worker" in args:
+                launchers.append(self)
+
+        def communicate(self, input=None, timeout=None):
+            if self not in launchers:
+                return super().communicate(input, timeout)
+            if timeout is None:  # bench_train stopped the system: every process of it has exited, the output ends
+                try:
+                    rest, err = super().communicate(input, timeout=60)  # a guard against a hang, never a verdict
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"output still open after the stop: {workers_under(tmp_path)}") from None
+                return self.early + rest, err
+            # read below the text layer (left empty for the call above), so a poll never misses buffered lines;
+            # the run's own timeout bounds the wait, so a worker that never holds fails the checks below
+            poller = select.poll()
+            poller.register(self.stdout.fileno(), select.POLLIN)
+            while not all(f"rank {r} holds after step 1" in self.early for r in (0, 1)):
+                if not poller.poll(timeout * 1000):
+                    break
+                chunk = os.read(self.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    break  # the launcher exited
+                self.early += chunk.decode(errors="replace")
+            self.at_timeout = workers_under(tmp_path)
+            raise subprocess.TimeoutExpired(self.args, timeout)
+
     out = tmp_path / "bench.json"
-    # two processes under torchrun, far more steps than 12 seconds allow: the workers are mid-run at the timeout
-    cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32", "--verbose",
-           "--gpus", "2", "--systems", "twinflow:0.4", "--steps", "100000", "--timeout", "12",
-           "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(subprocess, "Popen", HeldLauncher)
     # the workers' --result files go to a temporary folder under tmp_path: only this run's workers are looked for
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=300, env=env)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--model", "opt-tiny", "--seq-len", "32", "--gpus", "2",
+                                      "--threads", "1", "--systems", "twinflow:0.4", "--steps", "4", "--warmup", "1",
+                                      "--hold-after", "1", "--timeout", "600", "--out", str(out)])  # fmt: skip
+    try:
+        bench_train.main()
+        left = workers_under(tmp_path)  # bench_train waits until every process it stopped has exited
+    finally:
+        end_workers_under(tmp_path)
+    (launcher,) = launchers
+    for rank in (0, 1):
+        assert f"rank {rank} holds after step 1" in launcher.early, launcher.early[-3000:]
+    workers = [c for c in launcher.at_timeout if "torch.distributed.run" not in c]  # not the launcher itself
+    assert len(workers) == 2, launcher.at_timeout  # both workers were alive, mid-run, when they were stopped
     row = json.loads(out.read_text())["rows"][0]
-    assert row["status"] == "timeout" and row["wall_seconds"] < 60
-    assert re.search(r"\[twinflow:0\.4\] step \d+: loss", row["output_tail"])  # stopped mid-run, not before it
-    # bench_train waits until every process it stopped has exited: none may be left the moment it returns
-    assert workers_under(tmp_path) == []
+    assert row["status"] == "timeout" and row["returncode"] == "timeout"
+    assert left == []  # none may be left the moment it returns
 
 
 @pytest.mark.parametrize("code, output, expected", [
