@@ -371,3 +371,125 @@ def test_entries_read_before_ratio_auto_builds_its_state_are_kept() -> None:
     q = next(iter(fresh.parameters()))
     with pytest.raises(RuntimeError, match="no state yet"):
         TwinFlowAdam(fresh.parameters(), ratio="auto").state[q]["exp_avg"] = torch.zeros_like(q)
+
+
+def cut_param(model: torch.nn.Module) -> torch.Tensor:
+    return list(model.parameters())[2]  # ratio 0.37 cuts it in two: its entry's tensors are copies
+
+
+def test_a_copy_kept_across_a_step_is_stale_and_its_writes_are_dropped() -> None:
+    """A copy held across a step no longer is the state; writing into it must not put its old values back."""
+    data = batches(4)
+    ours, opt, *_ = pair(0.37)
+    plain, plain_opt, *_ = pair(0.37)
+    run(ours, opt, data[:2])
+    run(plain, plain_opt, data[:2])
+    held = opt.state[cut_param(ours)]["exp_avg"]
+    run(ours, opt, data[2:3])
+    run(plain, plain_opt, data[2:3])
+    held.mul_(0.5)
+    assert not torch.equal(opt.state[cut_param(ours)]["exp_avg"], held)  # the entry is the new state
+    run(ours, opt, data[3:])
+    run(plain, plain_opt, data[3:])
+    assert_weights_close(ours, plain, rtol=0, atol=0)
+
+
+def test_an_in_place_write_then_an_assignment_keeps_the_assignment() -> None:
+    ours, opt, ref, ref_opt = pair(0.37)
+    run(ours, opt, batches(2))
+    run(ref, ref_opt, batches(2))
+    for o, m in ((opt, ours), (ref_opt, ref)):
+        p = cut_param(m)
+        o.state[p]["exp_avg_sq"].mul_(4)
+        o.state[p]["exp_avg_sq"] = torch.full_like(p, 1e-6)
+        o.state[p]["exp_avg"].mul_(2)
+        del o.state[p]
+    run(ours, opt, batches(2, seed=7))
+    run(ref, ref_opt, batches(2, seed=7))
+    assert_weights_close(ours, ref)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_state_moved_with_pop_and_put_back_is_kept(ratio: float) -> None:
+    ours, opt, ref, ref_opt = pair(ratio)
+    run(ours, opt, batches(2))
+    run(ref, ref_opt, batches(2))
+    for o, m in ((opt, ours), (ref_opt, ref)):
+        params = list(m.parameters())
+        o.state[params[0]] = o.state.pop(params[0])
+        o.state[params[2]] = o.state[params[2]]
+    run(ours, opt, batches(2, seed=7))
+    run(ref, ref_opt, batches(2, seed=7))
+    assert_weights_close(ours, ref)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["after-backward", "eager"])
+def test_a_write_into_a_copy_during_an_attached_step_is_refused_and_dropped(eager: bool) -> None:
+    data = batches(3)
+    ours, opt, *_ = pair(0.37)
+    opt.detach()
+    opt.attach(ours, eager=eager)
+    plain, plain_opt, *_ = pair(0.37)
+    run(ours, opt, data[:1], attached=True)
+    run(plain, plain_opt, data[:1])
+    held = opt.state[cut_param(ours)]["exp_avg"]
+    x, y, scale = data[1]
+    opt.zero_grad(set_to_none=True)
+    loss_of(ours, x, y, scale).backward()
+    held.zero_()  # backward has streamed gradients: the CPU share may be stepping this state
+    with pytest.raises(RuntimeError, match=r"\['exp_avg'\] of parameter 2 was written in place while a step"):
+        opt.step()
+    opt.step()  # the write was dropped: the step completes as if it had not been made
+    opt.synchronize()
+    run(plain, plain_opt, data[1:2])
+    run(ours, opt, data[2:], attached=True)
+    run(plain, plain_opt, data[2:])
+    assert_weights_close(ours, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_loop_of_writes_takes_each_entry_once(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinflow.split_state import SplitState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(25)]).to(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=256, state_precision=precision)
+    run(model, opt, [(torch.randn(2, 4), torch.randn(2, 4), 1.0)])
+    calls = []
+    original = SplitState.entry
+    monkeypatch.setattr(SplitState, "entry", lambda self, i, handed=False: calls.append(i) or original(self, i, handed))
+    params = list(model.parameters())
+    for p in params:
+        opt.state[p]["step"] = 3
+        opt.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+    for p in params[:10]:
+        del opt.state[p]
+    assert len(calls) <= 5 * len(params), len(calls)  # one refresh per write (and a decode under 8 bits)
+
+
+def test_a_step_count_of_zero_keeps_the_moments() -> None:
+    ours, opt, ref, ref_opt = pair(0.4)
+    run(ours, opt, batches(2))
+    run(ref, ref_opt, batches(2))
+    for o, m in ((opt, ours), (ref_opt, ref)):
+        o.state[next(iter(m.parameters()))]["step"] = torch.tensor(0.0)
+    assert set(opt.state_dict()["state"][0]) == set(ref_opt.state_dict()["state"][0])
+    resumed = twin(ours)
+    loaded = tf(resumed.parameters(), 0.4, "first")
+    loaded.load_state_dict(save_load(opt.state_dict()))
+    run(resumed, loaded, batches(2, seed=7))
+    run(ref, ref_opt, batches(2, seed=7))
+    assert_weights_close(resumed, ref)
+
+
+def test_a_load_keeps_only_the_loaded_entries() -> None:
+    ours, opt, ref, ref_opt = pair(0.4)
+    run(ours, opt, batches(1))
+    run(ref, ref_opt, batches(1))
+    for o in (opt, ref_opt):
+        sd = o.state_dict()
+        del sd["state"][0]
+        o.load_state_dict(sd)
+    p, q = next(iter(ours.parameters())), next(iter(ref.parameters()))
+    assert (p in opt.state, len(opt.state)) == (q in ref_opt.state, len(ref_opt.state))
+    assert isinstance(copy.deepcopy(opt.state), type(copy.deepcopy(ref_opt.state)))

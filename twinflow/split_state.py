@@ -57,6 +57,7 @@ class SplitState:
         self.names = [n for g in param_groups for n in g.get("param_names", [None] * len(g["params"]))]
         check_params(self.locals, self.names, self.group_of)
         self.steps = [0] * len(self.params)
+        self.has_state = [False] * len(self.params)  # stepped, or given state (a step count of 0 keeps it)
         self.generation = 0  # counts changes of the state's values, except in place through views (opt.state)
         self.handed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # copies given to opt.state: their version
         self.segments_of: list[list[SegmentState]] | None = None  # per parameter; None until build()
@@ -150,8 +151,8 @@ class SplitState:
     def open(self, args: StepArgs | None, speculative: bool = False) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""
         self.pipeline.open(args, speculative)  # waits for the last step's writes: the masters are settled
-        self.absorb_edits()  # before any gradient lands: the worker has not started on this step
-        self.refresh_moved_masters()
+        self.absorb_edits(during_step=True)  # before any gradient lands: the worker has not started on this step
+        refresh_moved_masters(self)
 
     def with_grad(self, streamed: set[int]) -> list[int]:
         """The parameters this step updates: those with a gradient, and those whose gradient already streamed.
@@ -186,7 +187,6 @@ class SplitState:
 
     def step_device(self, with_grad: list[int], groups: list[dict[str, Any]], scale: torch.Tensor | None) -> None:
         """Launches the device side's step of `with_grad`, and counts the step of each."""
-        self.absorb_edits()  # without a CPU side, nothing opened the step
         has_grad = set(with_grad)
         stepped = [st for st in self.dev if st.seg.index in has_grad]
         device_side.step(stepped, groups, self.group_of, self.locals,
@@ -195,7 +195,9 @@ class SplitState:
             self.written[st.seg.index] = self.locals[st.seg.index]._version
         for i in with_grad:
             self.steps[i] += 1
+            self.has_state[i] = True
         self.generation += 1
+        self.handed.clear()  # copies taken before this step are stale: a later write to one must not land
 
     def settle(self) -> None:
         """Every update taken so far, a delayed one included, is in the weights (no step half done)."""
@@ -216,28 +218,6 @@ class SplitState:
         self.written = [-1] * len(self.params)
         if self.pipeline is not None:
             self.pipeline.written_version.clear()
-
-    @torch.no_grad()
-    def refresh_moved_masters(self) -> None:
-        """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps).
-
-        A parameter's version counter moves with every in-place write; after its own writes the optimizer notes
-        the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
-        """
-        written = self.pipeline.written_version if self.pipeline is not None else {}
-        moved = {i for i, p in enumerate(self.locals) if p._version > max(self.written[i], written.get(i, -1))}
-        if moved and self.pipeline is not None:
-            self.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
-            self.pipeline.unflip(moved)  # the masters written below are the current ones
-        self.generation += bool(moved)
-        for i in moved:
-            p = self.locals[i]
-            flat = p.view(-1)
-            for st in self.segments_of[i]:
-                piece = flat[st.seg.start : st.seg.end]
-                if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
-                    st.master.copy_(piece)
-            self.written[i] = p._version
 
     # ------------------------------------------------ torch.optim's layout
     def entry(self, i: int, handed: bool = False) -> dict[str, torch.Tensor]:
@@ -269,19 +249,32 @@ class SplitState:
 
     def stepped(self, i: int) -> bool:
         """Whether parameter i has state: it was stepped (or given state) and takes part in the split."""
-        return self.steps[i] > 0 and bool(self.segments_of[i])
+        return self.has_state[i] and bool(self.segments_of[i])
 
     def export(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every stepped parameter's entry, by index."""
         self.absorb_edits()
         return {i: self.entry(i) for i in range(len(self.params)) if self.stepped(i)}
 
-    def absorb_edits(self) -> None:
-        """In-place writes to the copies ``opt.state`` was given reach the buffers (a view's writes already did)."""
+    def absorb_edits(self, during_step: bool = False) -> None:
+        """In-place writes to the copies ``opt.state`` was given reach the buffers (a view's writes already did).
+
+        Refused once a step has taken gradients (`during_step`: its opening, before any has landed): the CPU
+        share may be stepping those buffers. The write is dropped and the error says when to write instead.
+        """
         for (i, key), (copy, version) in list(self.handed.items()):
-            if copy._version != version:
-                self.handed[(i, key)] = (copy, copy._version)
-                self.put(i, {key: copy}, (key,), weights_follow=False)
+            if copy._version == version:
+                continue
+            if self.step_open and not during_step:
+                del self.handed[(i, key)]
+                raise RuntimeError(
+                    f"opt.state[p][{key!r}] of parameter {i} was written in place while a step was under way "
+                    "(after backward's first gradient, before step()); the write is dropped: the CPU share may "
+                    "already be stepping that state. Write opt.state before backward, or after step() (when "
+                    "attached, after opt.synchronize())"
+                )
+            self.handed[(i, key)] = (copy, copy._version)
+            self.put(i, {key: copy}, (key,), weights_follow=False)
 
     @torch.no_grad()
     def load(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -308,10 +301,14 @@ class SplitState:
                 flat["step"] = int(entry["step"])
         if "step" in flat:
             self.steps[i] = flat["step"]
+        self.has_state[i] = entry is not None
+        both = None  # 8-bit moments encode together: the one not written is kept as it is
+        if any(st.exp_avg is None for st in self.segments_of[i]) and ("exp_avg" in flat or "exp_avg_sq" in flat):
+            kept = self.entry(i) if "exp_avg" not in flat or "exp_avg_sq" not in flat else {}
+            both = [flat[k] if k in flat else kept[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")]
         for st in self.segments_of[i]:
             s, e = st.seg.start, st.seg.end
-            if st.exp_avg is None and ("exp_avg" in flat or "exp_avg_sq" in flat):  # 8-bit: both encode together
-                both = [flat[k] if k in flat else self.entry(i)[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")]
+            if st.exp_avg is None and both is not None:
                 self.pipeline.set_moments(i, *both)
             for key in ("exp_avg", "exp_avg_sq") if st.exp_avg is not None else ():
                 if key in flat:
@@ -410,3 +407,26 @@ def check_params(locals_: list[torch.Tensor], names: list[str | None], group_of:
             )
         if not p.is_contiguous():
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+
+
+@torch.no_grad()
+def refresh_moved_masters(split: SplitState) -> None:
+    """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps).
+
+    A parameter's version counter moves with every in-place write; after its own writes the optimizer notes
+    the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
+    """
+    written = split.pipeline.written_version if split.pipeline is not None else {}
+    moved = {i for i, p in enumerate(split.locals) if p._version > max(split.written[i], written.get(i, -1))}
+    if moved and split.pipeline is not None:
+        split.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
+        split.pipeline.unflip(moved)  # the masters written below are the current ones
+    split.generation += bool(moved)
+    for i in moved:
+        p = split.locals[i]
+        flat = p.view(-1)
+        for st in split.segments_of[i]:
+            piece = flat[st.seg.start : st.seg.end]
+            if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
+                st.master.copy_(piece)
+        split.written[i] = p._version

@@ -14,6 +14,7 @@ into the buffers, after checking it against the parameter.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -116,6 +117,7 @@ class StateMap(dict):
                 f"opt.state[p] = {type(value).__name__} for {self.describe(key)}; expected a dict of its state "
                 "(step, exp_avg, exp_avg_sq, any keys of your own)"
             )
+        value = detached(value)  # it may hold views of the very buffers the reset clears
         self.reset(key)
         self[key].update(value)
 
@@ -127,7 +129,7 @@ class StateMap(dict):
     def pop(self, key: Any, *default: Any) -> Any:
         if key not in self:
             return super().pop(key, *default)
-        value = dict(self[key]) if isinstance(self[key], ParamState) else self[key]
+        value = detached(self[key]) if isinstance(self[key], ParamState) else self[key]
         del self[key]
         return value
 
@@ -147,8 +149,8 @@ class StateMap(dict):
         for key, value in kwargs.items():
             self[key] = value
 
-    def __reduce__(self) -> tuple:
-        return (dict, (dict(self),))
+    def __reduce__(self) -> tuple:  # a copy is torch's own layout: a defaultdict of plain dicts
+        return (defaultdict, (dict,), None, None, iter(dict(self).items()))
 
     # ------------------------------------------------------------ twinflow's keys
     def describe(self, param: torch.Tensor) -> str:
@@ -166,20 +168,34 @@ class StateMap(dict):
             return
         split.absorb_edits()  # in-place writes to the entries about to be replaced
         split.handed.clear()
-        for i, p in enumerate(split.params):
-            if split.stepped(i):
-                entry = split.entry(i, handed=True)
-                state = self[p]
-                if not isinstance(state, ParamState):  # stored whole by torch or the user: kept, made ours
-                    state, kept = ParamState(self, p), state
-                    dict.update(state, {k: v for k, v in kept.items() if k not in ENTRY_KEYS})
-                    dict.__setitem__(self, p, state)
-                for key in ENTRY_KEYS:
-                    state.own(key, entry.get(key))
-            elif p in self:
-                for key in ENTRY_KEYS:
-                    dict.pop(self[p], key, None)
+        for i in range(len(split.params)):
+            self.refresh(split, i)
         self.seen = split.generation
+
+    def refresh(self, split: SplitState, i: int) -> None:
+        """Parameter i's entry takes twinflow's current values (its own keys stay)."""
+        p = split.params[i]
+        if split.stepped(i):
+            entry = split.entry(i, handed=True)
+            state = self[p]
+            if not isinstance(state, ParamState):  # stored whole by torch or the user: kept, made ours
+                state, kept = ParamState(self, p), state
+                dict.update(state, {k: v for k, v in kept.items() if k not in ENTRY_KEYS})
+                dict.__setitem__(self, p, state)
+            for key in ENTRY_KEYS:
+                state.own(key, entry.get(key))
+        elif p in self:
+            for key in ENTRY_KEYS:
+                dict.pop(self[p], key, None)
+
+    def written(self, split: SplitState, i: int, current: bool) -> None:
+        """After twinflow's own write of parameter i: its entry only is taken again where the others were
+        `current` (a loop of writes stays linear), else everything."""
+        if current:
+            self.refresh(split, i)
+            self.seen = split.generation
+        else:
+            self.sync()
 
     def _writable(self, param: torch.Tensor) -> tuple[SplitState, int]:
         split = self.split
@@ -190,6 +206,7 @@ class StateMap(dict):
             )
         split.check_settled()
         split.settle()
+        split.absorb_edits()  # an earlier in-place write lands first; this one then goes over it
         return split, split.index[id(param)]
 
     def assign(self, param: torch.Tensor, key: str, value: Any) -> None:
@@ -205,8 +222,9 @@ class StateMap(dict):
             value = torch.tensor(float(steps))
         else:
             self.check_tensor(param, key, value)
+        current = self.seen == split.generation
         split.put(i, {key: value}, (key,))
-        self.sync()
+        self.written(split, i, current)
 
     def check_tensor(self, param: torch.Tensor, key: str, value: Any) -> None:
         """Raises, naming the parameter, the key and what is expected, unless `value` can be `param`'s `key`."""
@@ -227,10 +245,14 @@ class StateMap(dict):
 
     def reset(self, param: torch.Tensor) -> None:
         """Parameter `param` starts afresh (step 0, zero moments, master from the weight); its own keys go."""
+        if not self.split.built:  # ratio='auto' before its first step: no state to reset, only the entry
+            dict.__setitem__(self, param, ParamState(self, param))
+            return
         split, i = self._writable(param)
+        current = self.seen == split.generation
         split.put(i, None)
         dict.__setitem__(self, param, ParamState(self, param))
-        self.sync()
+        self.written(split, i, current)
 
     # ------------------------------------------------------- state dicts and copies
     def extras(self) -> tuple[dict[int, dict[Any, Any]], dict[Any, Any]]:
@@ -248,13 +270,8 @@ class StateMap(dict):
     def restore(self, state: Mapping[Any, Any]) -> None:
         """Replaces everything but twinflow's keys with `state` (torch's loaded state: parameter or other key ->
         value); twinflow's keys in it are ignored (they load into the buffers)."""
-        for key in list(self):
-            value = self[key]
-            if isinstance(value, ParamState):
-                for k in [k for k in value if k not in ENTRY_KEYS]:
-                    dict.pop(value, k)
-            else:
-                dict.pop(self, key)
+        dict.clear(self)  # as torch's load replaces its state: entries come back from the buffers at the next read
+        self.seen = -1
         for key, value in state.items():
             if isinstance(self[key], ParamState):
                 for k, v in value.items():
@@ -262,3 +279,8 @@ class StateMap(dict):
                         dict.__setitem__(self[key], k, v)
             else:
                 dict.__setitem__(self, key, value)
+
+
+def detached(entry: Mapping) -> dict:
+    """A plain copy of an entry whose twinflow tensors no longer share memory with the optimizer's buffers."""
+    return {k: v.clone() if k in ENTRY_KEYS and isinstance(v, torch.Tensor) else v for k, v in entry.items()}

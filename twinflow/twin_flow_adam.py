@@ -24,7 +24,7 @@ from twinflow.overlap import Attachment
 from twinflow.partition import check_placement, check_ratio
 from twinflow.pipeline import StepArgs, check_chunk_bytes, check_delay_after
 from twinflow.speculation import SpeculationPolicy
-from twinflow.split_state import ENTRY_KEYS, SplitState, validated
+from twinflow.split_state import ENTRY_KEYS, SplitState, refresh_moved_masters, validated
 from twinflow.state_map import ParamState, StateMap
 from twinflow.step_scale import StepScale, check_max_grad_norm
 from twinflow.tune import IterationProbe, explain
@@ -226,7 +226,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         split = self._split
         pipeline = split.pipeline
         if pipeline is None:
-            split.refresh_moved_masters()
+            refresh_moved_masters(split)
         elif pipeline.phase != "open":
             self._open_step(None)
         streamed = self._attachment.streamed if self._attachment is not None else set()
