@@ -493,3 +493,20 @@ def test_a_load_keeps_only_the_loaded_entries() -> None:
     p, q = next(iter(ours.parameters())), next(iter(ref.parameters()))
     assert (p in opt.state, len(opt.state)) == (q in ref_opt.state, len(ref_opt.state))
     assert isinstance(copy.deepcopy(opt.state), type(copy.deepcopy(ref_opt.state)))
+
+
+def test_a_state_dict_loaded_before_ratio_auto_decides_is_applied_when_it_builds() -> None:
+    """A resume (HF Trainer loads the optimizer before the first step) under ratio='auto': the state waits for
+    the split the first step decides, and training goes on as the uninterrupted run."""
+    data = batches(6)
+    ours = make_model()
+    opt = tf(ours.parameters(), 0.4, "first")
+    run(ours, opt, data[:3])
+    sd = save_load(opt.state_dict())
+    resumed = twin(ours)
+    run(ours, opt, data[3:])
+    auto = TwinFlowAdam(resumed.parameters(), ratio="auto", chunk_bytes=256, weight_decay=0.01)
+    auto.load_state_dict(sd)
+    run(resumed, auto, data[3:])
+    assert auto.ratio is not None and float(auto.state[next(iter(resumed.parameters()))]["step"]) == 6.0
+    assert_weights_close(resumed, ours)

@@ -271,12 +271,7 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
-        if self.local_optimizer.ratio is None:  # refused before anything is loaded: nothing half-restored
-            raise ConfigError(
-                'offload_ratio = "auto": the ratio is chosen at the first step, and until then the optimizer has no '
-                "state to restore a checkpoint into; to resume, set offload_ratio to the ratio the saved run chose "
-                '("ratio" under "meta" in the checkpoint\'s meta.json)'
-            )
+        # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
         extra, meta = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                                       scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr

@@ -118,9 +118,10 @@ class SplitState:
         log.info("TwinFlowAdam split: %s", summary_)
         return summary_
 
-    def check_settled(self) -> None:
-        """Raises unless the state exists and no step is half done (before a save or a load)."""
-        if not self.built:
+    def check_settled(self, unbuilt_ok: bool = False) -> None:
+        """Raises unless the state exists (`unbuilt_ok`: a load before ratio='auto' builds it waits for the
+        build) and no step is half done (before a save or a load)."""
+        if not self.built and not unbuilt_ok:
             raise RuntimeError("ratio='auto' is decided at the first step(); there is no state before it")
         if self.step_open:
             raise RuntimeError(

@@ -113,6 +113,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.split_summary = self._split.build(self.ratio, self.placement, self.chunk_bytes, self.num_threads)
         self.split_summary["ratio_requested"] = "auto" if self.auto_ratio else self.ratio
         self._states.bind(self._split)
+        _put_taken_state(self)  # a state dict loaded before ratio='auto' built the state
         if self._attachment is not None:
             self._attachment.install()
 
@@ -219,10 +220,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
                 loss = closure()
         args = self._step_args()  # checks the hyper-parameters before anything moves
         speculation.warn_if_idle(self, final=True)
-        if self.ratio is None:
-            self._choose_ratio()
-        if self._rebuild_if_needed():
-            args = self._step_args()
+        if (self.ratio is None and self._choose_ratio() is None) or self._rebuild_if_needed():
+            args = self._step_args()  # the state was built (a pending load sets its step counts) or rebuilt
         split = self._split
         pipeline = split.pipeline
         if pipeline is None:
@@ -314,8 +313,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's ``load_state_dict`` (its hooks run) of a TwinFlowAdam, CPUAdam or torch Adam(W) state
-        dict, under any ratio or placement; everything is checked before anything changes."""
-        self._split.check_settled()
+        dict, under any ratio or placement (with ratio='auto', before the first step: applied once it builds the
+        state); everything is checked before anything changes."""
+        self._split.check_settled(unbuilt_ok=True)
         self.synchronize()
         # Ours runs after every user pre-hook (they may rewrite the state dict); the tensors go straight into our
         # buffers instead of through torch's per-parameter cast, which would put the CPU share's state on the GPU.
@@ -381,9 +381,10 @@ def _take_state(opt: TwinFlowAdam, state_dict: dict[str, Any]) -> dict[str, Any]
 
 
 def _put_taken_state(opt: TwinFlowAdam) -> None:
-    """The first load_state_dict post-hook: the entries `_take_state` checked go into the buffers."""
-    taken, opt._taken_state = opt._taken_state, None
-    if taken is not None:
+    """The first load_state_dict post-hook: the entries `_take_state` checked go into the buffers (kept for the
+    build under ratio='auto' before the first step)."""
+    if opt._taken_state is not None and opt._split.built:
+        taken, opt._taken_state = opt._taken_state, None
         opt._split.load(taken)
 
 
