@@ -29,6 +29,11 @@ def check_hyperparams(lr: float, betas: tuple[float, float], eps: float, weight_
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; expected a finite number >= 0")
 
 
+# torch.optim.AdamW's flags, at the values twinflow runs (it picks its own kernels; the others are not implemented)
+ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+               "fused": None}  # fmt: skip
+
+
 def check_adamw_flags(**flags: object) -> None:
     """torch.optim.AdamW's flags, accepted at their defaults (configs often spell them out), refused otherwise."""
     for name, value in flags.items():
@@ -62,12 +67,7 @@ def adam_defaults(
         weight_decay=weight_decay,
         adamw_mode=adamw_mode,
         bias_correction=bias_correction,
-        amsgrad=False,
-        maximize=False,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        fused=None,
+        **ADAMW_FLAGS,
         decoupled_weight_decay=adamw_mode,
     )
 
@@ -75,11 +75,11 @@ def adam_defaults(
 def check_group_flags(index: int, group: dict[str, Any]) -> None:
     """Raises, naming the param group and the key, where a group's AdamW flag asks for what twinflow lacks, or
     ``decoupled_weight_decay`` contradicts ``adamw_mode`` (the key twinflow steps by)."""
-    for name in ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"):
+    for name, default in ADAMW_FLAGS.items():
         if group.get(name):
             raise ValueError(
                 f"param group {index}: {name}={group[name]!r} is not supported by twinflow's Adam; set it to "
-                f"{adam_flag_default(name)!r} (twinflow picks its own kernels; amsgrad, maximize, capturable and "
+                f"{default!r} (twinflow picks its own kernels; amsgrad, maximize, capturable and "
                 "differentiable are not implemented)"
             )
     decoupled = group.get("decoupled_weight_decay", group["adamw_mode"])
@@ -88,11 +88,6 @@ def check_group_flags(index: int, group: dict[str, Any]) -> None:
             f"param group {index}: decoupled_weight_decay={decoupled!r} but adamw_mode={group['adamw_mode']!r}; "
             "they name the same choice (AdamW's decoupled weight decay): set both to the same value"
         )
-
-
-def adam_flag_default(name: str) -> bool | None:
-    """The value twinflow runs AdamW's flag `name` at."""
-    return None if name in ("foreach", "fused") else False
 
 
 def align_group_flags(groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:

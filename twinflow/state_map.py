@@ -102,14 +102,17 @@ class StateMap(dict):
         """`split` now owns the state (built, or rebuilt with the parameters' state carried over)."""
         self.split, self.seen = split, -1
 
+    def holds(self, key: Any) -> bool:
+        """Whether `key` is one of the optimizer's parameters (its entry is a :class:`ParamState`)."""
+        return isinstance(key, torch.Tensor) and self.split is not None and id(key) in self.split.index
+
     def __missing__(self, key: Any) -> dict:
-        ours = isinstance(key, torch.Tensor) and self.split is not None and id(key) in self.split.index
-        value = ParamState(self, key) if ours else {}
+        value = ParamState(self, key) if self.holds(key) else {}
         super().__setitem__(key, value)
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if not (isinstance(key, torch.Tensor) and self.split is not None and id(key) in self.split.index):
+        if not self.holds(key):
             super().__setitem__(key, value)
             return
         if not isinstance(value, Mapping):
@@ -122,7 +125,7 @@ class StateMap(dict):
         self[key].update(value)
 
     def __delitem__(self, key: Any) -> None:
-        if isinstance(key, torch.Tensor) and self.split is not None and id(key) in self.split.index:
+        if self.holds(key):
             self.reset(key)
         super().__delitem__(key)
 
@@ -144,9 +147,7 @@ class StateMap(dict):
             self.update(value)
 
     def update(self, other: Mapping | Iterable = (), /, **kwargs: Any) -> None:
-        for key, value in dict(other).items():
-            self[key] = value
-        for key, value in kwargs.items():
+        for key, value in {**dict(other), **kwargs}.items():
             self[key] = value
 
     def __reduce__(self) -> tuple:  # a copy is torch's own layout: a defaultdict of plain dicts
