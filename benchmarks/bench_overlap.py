@@ -82,8 +82,8 @@ def run_system(spec: dict, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, losses, marks = [], [], []
     trace_step = spec.get("trace")
-    split = getattr(opt, "_split", None)
-    pipeline = split.pipeline if split is not None else None
+    coordinator = getattr(opt, "coordinator", None)
+    pipeline = coordinator.host if coordinator is not None and coordinator.host.chunk_count else None
     for step in range(args.warmup + args.steps):
         tokens = next(data)
         sync(device)
@@ -148,7 +148,7 @@ def run_system(spec: dict, args) -> dict:
         entry["ratio"] = opt.ratio
         if opt.auto_decision is not None:
             entry["auto_decision"] = opt.auto_decision
-        if opt._attachment is not None:
+        if opt.attached:
             opt.detach()
     del model, opt
     gc.collect()

@@ -43,24 +43,24 @@ def median_interleaved(fns: dict, rounds: int) -> dict:
 
 def staging_bandwidth(opt: TwinFlowAdam) -> dict:
     """The transfer path alone: every CPU-share gradient down into its chunk buffer, every weight back up."""
-    pipeline = opt._split.pipeline
-    streams = pipeline.streams
-    pieces = [pc for chunk in pipeline.chunks for pc in chunk.pieces]
-    params = opt._split.params
+    staging = opt.coordinator.host.staging
+    streams = staging.streams
+    pieces = staging.pieces
+    params = opt.coordinator.split.params
 
     def down() -> None:
         streams.after_compute()
         with streams.d2h():
             sources = [params[pc.param].grad.view(-1)[pc.start : pc.end] for pc in pieces]
-            torch._foreach_copy_([pc.host for pc in pieces], sources, non_blocking=True)
+            torch._foreach_copy_(staging.hosts, sources, non_blocking=True)
         torch.cuda.current_stream().wait_stream(streams.d2h_stream)
 
     def up() -> None:
         with streams.h2d():
-            torch._foreach_copy_([pc.dst for pc in pieces], [pc.host for pc in pieces], non_blocking=True)
+            torch._foreach_copy_(staging.targets, staging.hosts, non_blocking=True)
         torch.cuda.current_stream().wait_stream(streams.h2d_stream)
 
-    nbytes = sum(pc.host.numel() * pc.host.element_size() for pc in pieces)
+    nbytes = sum(h.numel() * h.element_size() for h in staging.hosts)
     t = median_interleaved({"d2h": down, "h2d": up}, rounds=5)
     return {"bytes": nbytes, "d2h_gb_s": nbytes / t["d2h"] / 1e9, "h2d_gb_s": nbytes / t["h2d"] / 1e9}
 
@@ -82,11 +82,12 @@ def measure_ratio(params: list[torch.nn.Parameter], ratio: float, chunk_bytes: i
                            out_copies=[o])  # fmt: skip
 
         fns["cpu"] = cpu_kernel
-    split = opt._split
-    if split.dev:  # the device side alone: every device-side segment, as step() launches it
-        args = opt._step_args()
+    split = opt.coordinator.split
+    states = split.device_state.states
+    if states:  # the device side alone: every device-side segment, as step() launches it
+        args = opt.coordinator.step_args()
         grad_of = lambda i: split.params[i].grad  # noqa: E731
-        fns["gpu"] = lambda: device_side.step(split.dev, args.groups, split.group_of, split.locals, grad_of, None)
+        fns["gpu"] = lambda: device_side.step(states, args.groups, split.group_of, split.locals, grad_of, None)
     t = median_interleaved(fns, rounds=rounds)
     bound = max(t.get("cpu", 0.0), t.get("gpu", 0.0))
     entry = {

@@ -50,62 +50,60 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
 
     A weight read before the wait that covers it is therefore always the old
     one, never a race that a fast worker happens to win: a missing wait fails
-    every run, with no sleeps. Waits come from ``HostPipeline.wait`` (the
-    forward pre-hooks, and ``finish()``), so code that waits correctly runs
-    as before, only later. A delayed step's late job runs only once
-    ``flush()`` waits for it, after the next step's gradients have landed.
+    every run, with no sleeps. Waits come from ``HostSide.wait`` (the forward
+    pre-hooks, and ``finish()``), so code that waits correctly runs as before,
+    only later. A delayed step's late job runs only once ``flush()`` (or
+    ``drop_for()``) asks for it, after the next step's gradients have landed.
+    The worker's gate (``CpuExecutor.gate``) holds the jobs back.
     """
-    from twinflow.pipeline import HostPipeline
+    from twinflow.host_modes import DelayedMode
+    from twinflow.host_side import HostSide
+    from twinflow.step_record import Phase
 
-    original_open, original_wait = HostPipeline.open, HostPipeline.wait
+    asked: dict[int, int] = {}  # id(host) -> the highest chunk waited for in this step
+    late_asked: dict[int, int] = {}  # id(host) -> the delayed steps whose late job was asked for
 
-    def open_(self, args=None, speculative: bool = False) -> None:
-        original_open(self, args, speculative)
-        with self._cond:
-            self._asked = -1  # no chunk of the new step waited for yet
+    def gate_of(host: HostSide):
+        def gate(job) -> bool:
+            if job.kind == "chunk":
+                return job.chunk <= asked.get(id(host), -1)
+            if job.kind == "late":
+                return late_asked.get(id(host), 0) >= host.delayed.late_jobs
+            return True
+
+        return gate
+
+    original_open, original_wait = HostSide.open, HostSide.wait
+
+    def open_(self, args=None, mode: str = "exact") -> None:
+        original_open(self, args, mode)
+        with self.executor.condition:
+            asked[id(self)] = -1  # no chunk of the new step waited for yet
+            self.executor.gate = gate_of(self)
 
     def wait(self, chunk_ids: list[int]) -> None:
-        if self.phase == "sealed" and chunk_ids:
-            with self._cond:
-                self._asked = max(getattr(self, "_asked", -1), max(chunk_ids))
-                self._cond.notify_all()
+        if self.phase is Phase.SEALED and chunk_ids:
+            with self.executor.condition:
+                asked[id(self)] = max(asked.get(id(self), -1), max(chunk_ids))
+                self.executor.condition.notify_all()
         original_wait(self, chunk_ids)
 
-    def pick(self) -> int:  # called with the lock held, once a chunk is ready; lowest waited-for first
-        while True:
-            if self._stop and not (self._ready and self._args is not None):
-                raise SystemExit  # close() while nothing is left to run: the thread ends quietly
-            asked = [k for k in self._ready if k <= getattr(self, "_asked", -1)]
-            if self._args is not None and (asked or self._stop):
-                k = min(asked or self._ready)
-                self._ready.remove(k)
-                return k
-            self._cond.wait()
+    original_flush, original_drop = DelayedMode.flush, DelayedMode.drop_for
 
-    # A delayed step's late job runs only once flush() (the next delayed step, or settle()) waits for it.
-    original_flush, original_drop = HostPipeline.flush, HostPipeline.drop_late_for
-
-    def ask_late(self) -> None:
-        with self._cond:
-            self._late_asked = self.late_jobs
-            self._cond.notify_all()
+    def ask_late(mode: DelayedMode) -> None:
+        with mode.host.executor.condition:
+            late_asked[id(mode.host)] = mode.late_jobs
+            mode.host.executor.condition.notify_all()
 
     def flush(self, wait: bool = True) -> None:
         ask_late(self)
         original_flush(self, wait)
 
-    def drop_late_for(self, moved: set[int]) -> None:
+    def drop_for(self, moved: set[int], why: str) -> None:
         ask_late(self)
-        original_drop(self, moved)
+        original_drop(self, moved, why)
 
-    def pick_late(self) -> int:  # called with the lock held, once the late job has chunks left
-        while getattr(self, "_late_asked", 0) < self.late_jobs and not self._stop:
-            self._cond.wait()  # on close() the chunk runs at once, as without this fixture
-        return self._late.pop(0)
-
-    monkeypatch.setattr(HostPipeline, "open", open_)
-    monkeypatch.setattr(HostPipeline, "wait", wait)
-    monkeypatch.setattr(HostPipeline, "_pick", pick)
-    monkeypatch.setattr(HostPipeline, "flush", flush)
-    monkeypatch.setattr(HostPipeline, "drop_late_for", drop_late_for)
-    monkeypatch.setattr(HostPipeline, "_pick_late", pick_late)
+    monkeypatch.setattr(HostSide, "open", open_)
+    monkeypatch.setattr(HostSide, "wait", wait)
+    monkeypatch.setattr(DelayedMode, "flush", flush)
+    monkeypatch.setattr(DelayedMode, "drop_for", drop_for)

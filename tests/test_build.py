@@ -15,8 +15,8 @@ def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
     monkeypatch.setattr(ops.shutil, "which", lambda name: None)
     monkeypatch.setitem(__import__("sys").modules, "ninja", None)  # import ninja -> ImportError
     monkeypatch.setattr(ops.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
-    monkeypatch.setattr(ops, "_CSRC", tmp_path / "csrc")
-    problems = "\n".join(ops._missing_build_tools())
+    monkeypatch.setattr(ops, "CSRC", tmp_path / "csrc")
+    problems = "\n".join(ops.missing_build_tools())
     assert "'no-such-compiler' not found" in problems and "apt-get install g++" in problems
     assert "ninja not found: `pip install ninja`" in problems
     assert "Python headers not found" in problems and "python3-dev" in problems
@@ -24,21 +24,21 @@ def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
 
 
 def test_build_error_lists_every_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_missing_build_tools", lambda: ["ninja not found: `pip install ninja`"])
+    monkeypatch.setattr(ops, "missing_build_tools", lambda: ["ninja not found: `pip install ninja`"])
     with pytest.raises(ops.BuildError, match=r"cannot build.*\n  - ninja not found"):
-        ops._build_and_load()
+        ops.build_and_load()
 
 
 def test_toolchain_present_here() -> None:
-    assert ops._missing_build_tools() == []
+    assert ops.missing_build_tools() == []
 
 
 def _unloaded(monkeypatch: pytest.MonkeyPatch, build) -> None:
     """The next ops.load() runs `build` instead of finding the already loaded kernel."""
-    monkeypatch.setattr(ops, "_loaded", False)
-    monkeypatch.setattr(ops, "_load_prebuilt", lambda: False)
-    monkeypatch.setattr(ops, "_build_and_load", build)
-    monkeypatch.setattr(ops, "_register_fakes", lambda: None)
+    monkeypatch.setattr(ops, "loaded", False)
+    monkeypatch.setattr(ops, "load_prebuilt", lambda: False)
+    monkeypatch.setattr(ops, "build_and_load", build)
+    monkeypatch.setattr(ops, "register_fakes", lambda: None)
 
 
 def _no_compiler() -> None:
@@ -108,9 +108,9 @@ def _announced_compile(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]
         if then is not None:
             then()
 
-    monkeypatch.setattr(ops, "_BUILD_NOTICE_AFTER_S", 0.0)
+    monkeypatch.setattr(ops, "BUILD_NOTICE_AFTER_S", 0.0)
     monkeypatch.setattr(ops, "notice", notice)
-    monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
+    monkeypatch.setattr(ops, "missing_build_tools", lambda: [])
     return compile_
 
 
@@ -122,7 +122,7 @@ def test_a_slow_build_gives_a_start_notice_and_one_with_its_seconds(
     monkeypatch.setattr(cpp_extension, "load", _announced_compile(monkeypatch))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/some/cache")
     with caplog.at_level(logging.INFO, logger="twinflow.notice"):
-        ops._build_and_load()
+        ops.build_and_load()
     first, *rest = _notices(caplog)
     assert first.startswith("compiling the CPU Adam kernel (first use only") and "cached under /some/cache" in first
     assert len(rest) == 1 and re.fullmatch(r"CPU Adam kernel compiled in \d+ s", rest[0]), rest
@@ -132,11 +132,11 @@ def test_a_cached_load_gives_no_notice(monkeypatch: pytest.MonkeyPatch, caplog: 
     from torch.utils import cpp_extension
 
     loads = []
-    monkeypatch.setattr(ops, "_BUILD_NOTICE_AFTER_S", 3600.0)  # a cached load ends long before this
-    monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
+    monkeypatch.setattr(ops, "BUILD_NOTICE_AFTER_S", 3600.0)  # a cached load ends long before this
+    monkeypatch.setattr(ops, "missing_build_tools", lambda: [])
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: loads.append(kwargs["name"]))
     with caplog.at_level(logging.INFO, logger="twinflow.notice"):
-        ops._build_and_load()
+        ops.build_and_load()
     assert loads == ["twinflow_cpu_adam"] and _notices(caplog) == []
 
 
@@ -150,7 +150,7 @@ def test_a_failed_build_gives_no_seconds_notice(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cpp_extension, "load", _announced_compile(monkeypatch, then=fail))
     with caplog.at_level(logging.INFO, logger="twinflow.notice"):
         with pytest.raises(ops.BuildError, match=r"no such header\nSet TWINFLOW_VERBOSE_BUILD=1"):
-            ops._build_and_load()
+            ops.build_and_load()
     notices = _notices(caplog)  # the error says what happened; no line claims the kernel compiled
     assert len(notices) == 1 and notices[0].startswith("compiling the CPU Adam kernel"), notices
 
@@ -164,13 +164,13 @@ def test_a_lock_left_by_a_killed_build_is_named_not_waited_for_forever(monkeypat
     lock.parent.mkdir()
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(ops, "_LOCK_WAIT_S", 0.0)
-    monkeypatch.setattr(ops, "_missing_build_tools", lambda: [])
+    monkeypatch.setattr(ops, "LOCK_WAIT_S", 0.0)
+    monkeypatch.setattr(ops, "missing_build_tools", lambda: [])
 
     def build(**kwargs) -> None:
         raise AssertionError("the build started with the lock still held: torch would wait for it forever")
 
     monkeypatch.setattr(cpp_extension, "load", build)
     with pytest.raises(ops.BuildError, match=rf"build lock {lock}.*delete that file"):
-        ops._build_and_load()
+        ops.build_and_load()
     assert lock.exists()  # never deleted for the user: another build may hold it

@@ -153,12 +153,12 @@ def test_speculation_is_off_and_the_delay_works_with_8_bit_moments(precision: st
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
                        max_grad_norm=1e9, speculate=True, state_precision=precision).attach(model)  # fmt: skip
     losses = train(model, opt, 30)
-    assert opt._split.pipeline.speculated_chunks == 0 and losses[-1] < losses[0]
+    assert opt.coordinator.host.speculative.speculated_chunks == 0 and losses[-1] < losses[0]
     delayed = make()
     opt = TwinFlowAdam(delayed.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=4096,
                        max_grad_norm=1.0, delay_after=2, state_precision=precision).attach(delayed)  # fmt: skip
     losses = train(delayed, opt, 30)
-    assert opt._split.pipeline.late_jobs > 0 and losses[-1] < losses[0]
+    assert opt.coordinator.host.delayed.late_jobs > 0 and losses[-1] < losses[0]
 
 
 def test_config_key_and_bad_values() -> None:

@@ -152,7 +152,7 @@ def test_one_step_against_a_float64_reference_of_the_recurrence(simd: str) -> No
              (compact.decode_exp_avg_sq, "v_codes", "v_scales", v_new, compact.TOP_FIELD_V))  # fmt: skip
     for decode, codes, scales, exact, top in cases:
         stored = decode(state[codes], state[scales]).double()
-        d = compact._d(state[scales], n, top).double()
+        d = compact.block_shift(state[scales], n, top).double()
         step = torch.maximum(exact.abs() / 8, 2.0 ** (d - 129))
         assert ((stored - exact).abs() <= step * (1 + 1e-6)).all()
         assert ((stored - exact).abs() > 1e-3 * step).float().mean() > 0.9  # rounded: not an exact copy

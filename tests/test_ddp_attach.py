@@ -84,7 +84,7 @@ def _worker(
         for x, y in batches():
             F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
             # the CPU share went down during backward, once reduced, not at step()
-            assert opt._split.pipeline.phase == "open" and opt._attachment.streamed
+            assert opt.coordinator.split.step_open and opt.coordinator.notes.streamed
             # FSDP2's reduced shards of wholly CPU-stepped parameters are handed back; DDP's buckets hold them all
             assert (opt.released_grad_bytes > 0) == (how == "fsdp2")
             if speculate:
@@ -93,7 +93,7 @@ def _worker(
             opt.zero_grad()
         opt.synchronize()
         if speculate:  # steps were taken before the norm was known, and checked against it
-            assert opt._split.pipeline.speculated_chunks > 0
+            assert opt.coordinator.host.speculative.speculated_chunks > 0
         whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         torch.save([p.detach().clone() for p in whole], os.path.join(out, f"rank{rank}.pt"))
         torch.distributed.barrier()  # both ranks done before either tears gloo down (a lone exit can abort)

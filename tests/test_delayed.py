@@ -30,10 +30,12 @@ TOL = 2e-5  # fp32 against float64 Adam on the same gradients: a few ulps of wei
 def cpu_masks(opt: TwinFlowAdam) -> list[torch.Tensor]:
     """Per parameter, which of its elements the CPU steps."""
     masks = []
-    for i, p in enumerate(opt._split.params):
+    split = opt.coordinator.split
+    for i, p in enumerate(split.params):
         mask = torch.zeros(p.numel(), dtype=torch.bool)
-        for _, piece in opt._split.pipeline.pieces_of.get(i, []):
-            mask[piece.start : piece.end] = True
+        if split.host is not None and split.host.holds(i):
+            start, end = split.host.range(i)
+            mask[start:end] = True
         masks.append(mask.view(p.shape))
     return masks
 
@@ -128,10 +130,10 @@ def test_delayed_steps_follow_the_float64_recurrence(
         ref.step(grads)
         exact.step(grads)
         if attached:  # the weights as the next forward sees them
-            opt._split.pipeline.wait(list(range(len(opt._split.pipeline.chunks))))
+            opt.coordinator.wait(list(range(opt.coordinator.host.chunk_count)))
         assert max_gap(model, ref.model) < TOL
     assert max_gap(model, exact.model) > 1e-3  # the delay shows: the check above could fail
-    assert opt._split.pipeline.late_jobs == 6
+    assert opt.coordinator.host.delayed.late_jobs == 6
     opt.synchronize()  # applies the pending update: every weight is its master
     ref.flush()
     assert max_gap(model, ref.model) < TOL
@@ -192,7 +194,7 @@ def test_reading_the_state_between_forward_and_backward_leaves_the_weights_alone
         loss.backward()  # an upload here would have changed weights this backward saved
         opt.step()
         opt.zero_grad()
-    assert opt._split.pipeline.late_pending
+    assert opt.coordinator.host.late_pending
 
 
 def test_weights_changed_keeps_the_new_weights_over_a_pending_update() -> None:
@@ -221,7 +223,7 @@ def test_eager_attach_is_refused_with_a_delay() -> None:
     opt = TwinFlowAdam(model.parameters(), ratio=0.5, delay_after=0)
     with pytest.raises(ValueError, match="eager=True cannot be combined with max_grad_norm, delay_after"):
         opt.attach(model, eager=True)
-    assert opt.attach(model)._attachment.eager is False  # the default under a delay
+    assert opt.attach(model).coordinator.notes.eager is False  # the default under a delay
 
 
 def test_auto_ratio_plans_for_the_delay() -> None:

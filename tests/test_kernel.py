@@ -515,7 +515,7 @@ def test_default_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(ops.os, "sched_getaffinity", lambda _: set(range(64)))
-    ops._warn_one_thread.cache_clear()
+    ops.warn_one_thread.cache_clear()
     with caplog.at_level(logging.WARNING, logger="twinflow.ops"):
         assert ops.default_num_threads() == 1
     assert "set OMP_NUM_THREADS=32" in caplog.text

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from twinflow import TwinFlowAdam
-from twinflow.pipeline import plan_chunks
+from twinflow.partition import Segment
+from twinflow.staging import plan_chunks
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -104,7 +105,7 @@ def test_eager_overlap_gives_the_plain_losses(device: str, ratio: float, placeme
     """50 steps, fp32 masters (bf16 weights on CUDA): the same losses and weights, bit for bit."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     plain, opt_plain, over, opt_over = pair(device, dtype, ratio, placement, ckpt)
-    assert opt_over._attachment.eager
+    assert opt_over.coordinator.notes.eager
     assert train(over, opt_over, 50, seed=1) == train(plain, opt_plain, 50, seed=1)
     assert_same_weights(over, plain, exact=True)
     assert opt_over.released_grad_bytes > 0
@@ -120,7 +121,7 @@ def test_clipped_overlap_matches_plain(device: str, clip_method: bool) -> None:
     if clip_method:  # the CPU must not step before the norm: eager off
         opt_over.detach()
         opt_over.attach(over, eager=False)
-    assert not opt_over._attachment.eager
+    assert not opt_over.coordinator.notes.eager
     losses_over = train(over, opt_over, 30, seed=2, clip_method=clip_method)
     losses_plain = train(plain, opt_plain, 30, seed=2, clip_method=clip_method)
     assert losses_over == pytest.approx(losses_plain, rel=1e-5)
@@ -178,7 +179,7 @@ def test_released_gradients_are_gone_and_counted() -> None:
     model = make("cpu", torch.float32)
     opt = TwinFlowAdam(model.parameters(), ratio=0.5, placement="first", chunk_bytes=1024).attach(model)
     model(torch.randn(4, 12)).sum().backward()
-    fully_cpu = opt._split.fully_cpu
+    fully_cpu = opt.coordinator.split.fully_cpu
     params = list(model.parameters())
     assert fully_cpu and all(params[i].grad is None for i in fully_cpu)
     assert all(p.grad is not None for i, p in enumerate(params) if i not in fully_cpu)
@@ -188,11 +189,9 @@ def test_released_gradients_are_gone_and_counted() -> None:
 
 
 def test_plan_chunks_covers_every_element_once() -> None:
-    from twinflow.pipeline import HostSegment
-
     gen = torch.Generator().manual_seed(4)
     sizes = torch.randint(1, 300, (20,), generator=gen).tolist()
-    segs = [HostSegment(i, 0, n, None, None, None) for i, n in enumerate(sizes)]
+    segs = [Segment(i, 0, n, on_cpu=True) for i, n in enumerate(sizes)]
     itemsizes = [2 if i % 3 else 4 for i in range(len(sizes))]
     plans = plan_chunks(segs, itemsizes, 256)
     seen = {i: [] for i in range(len(sizes))}
@@ -272,7 +271,7 @@ def test_race_forward_waits_for_uploaded_weights(placement: str) -> None:
 def test_race_test_fails_without_the_forward_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     from twinflow import overlap
 
-    monkeypatch.setattr(overlap._WaitFor, "__call__", lambda self, module, args: None)
+    monkeypatch.setattr(overlap.WaitFor, "__call__", lambda self, module, args: None)
     # Either the forward reads stale weights, or autograd sees a saved weight overwritten under it.
     with pytest.raises((AssertionError, RuntimeError), match="read other weights|modified by an inplace"):
         race(0.75, "first")

@@ -20,10 +20,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 def drain(opt: TwinFlowAdam) -> None:
     """Waits until the worker has run every chunk it may run before step() (under speculation: all that
     landed, stepped and held; without it, none)."""
-    pipeline = opt._split.pipeline
-    with pipeline._cond:
-        while pipeline._running is not None or (pipeline._ready and pipeline._args is not None):
-            pipeline._cond.wait()
+    executor = opt.coordinator.host.executor
+    with executor.condition:
+        while executor.running is not None or any(job.kind == "chunk" for job in executor.queue):
+            executor.condition.wait()
 
 
 def train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int) -> None:
@@ -46,7 +46,7 @@ def run(device: str, speculate: bool, max_norm: float, steps: int = 8, off_after
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, betas=betas, ratio=0.6, placement="last", chunk_bytes=1024,
                        max_grad_norm=max_norm, speculate=speculate).attach(model)  # fmt: skip
     if off_after is not None:
-        opt._speculation.off_after = off_after
+        opt.coordinator.speculation.off_after = off_after
     train(model, opt, steps, seed=7)
     return model, opt
 
@@ -55,8 +55,8 @@ def run(device: str, speculate: bool, max_norm: float, steps: int = 8, off_after
 def test_speculation_is_the_exact_step_bit_for_bit_when_nothing_clips(device: str) -> None:
     spec_model, spec = run(device, True, max_norm=1e9)
     model, opt = run(device, False, max_norm=1e9)
-    pipeline = spec._split.pipeline
-    assert pipeline.speculated_chunks == 8 * len(pipeline.chunks) and pipeline.rollbacks == 0
+    host = spec.coordinator.host
+    assert host.speculative.speculated_chunks == 8 * host.chunk_count and host.speculative.rollbacks == 0
     for p, q in zip(spec_model.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     for a, b in zip(spec.state_dict()["state"].values(), opt.state_dict()["state"].values()):
@@ -77,8 +77,8 @@ def assert_same_run(a: tuple[torch.nn.Module, TwinFlowAdam], b: tuple[torch.nn.M
 def test_clipped_speculation_is_redone_bit_for_bit(device: str) -> None:
     spec = run(device, True, max_norm=0.05, off_after=10**9)  # clips every step, and speculates on each
     exact = run(device, False, max_norm=0.05)
-    pipeline = spec[1]._split.pipeline
-    assert pipeline.rollbacks == 8 and pipeline.speculated_chunks == 8 * len(pipeline.chunks)
+    host = spec[1].coordinator.host
+    assert host.speculative.rollbacks == 8 and host.speculative.speculated_chunks == 8 * host.chunk_count
     assert_same_run(spec, exact)
     unclipped, _ = run(device, False, max_norm=1e9)
     gap = max((p.float() - q.float()).abs().max() for p, q in zip(unclipped.parameters(), exact[0].parameters()))
@@ -87,13 +87,13 @@ def test_clipped_speculation_is_redone_bit_for_bit(device: str) -> None:
 
 def test_speculation_stops_while_steps_clip_and_resumes_after() -> None:
     model, opt = run("cpu", True, max_norm=0.05, steps=6)  # every step clips
-    pipeline = opt._split.pipeline
-    assert pipeline.rollbacks == 2 and opt._speculation.skipped == 4
+    host = opt.coordinator.host
+    assert host.speculative.rollbacks == 2 and opt.coordinator.speculation.skipped == 4
     opt.max_grad_norm = 1e9  # clipping stops
     train(model, opt, 3, seed=8)
     # the first unclipped step runs exact (the last one clipped); then speculation is back
-    assert opt._speculation.skipped == 5 and pipeline.speculated_chunks == 4 * len(pipeline.chunks)
-    assert pipeline.rollbacks == 2
+    assert opt.coordinator.speculation.skipped == 5 and host.speculative.speculated_chunks == 4 * host.chunk_count
+    assert host.speculative.rollbacks == 2
 
 
 @pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)])
@@ -109,10 +109,10 @@ def test_clipped_speculation_when_the_decay_zeroes_the_master() -> None:
         model = make("cpu", torch.float32, seed=2)
         opt = TwinFlowAdam(model.parameters(), lr=0.5, weight_decay=2.0, ratio=0.6, placement="last",
                            chunk_bytes=1024, max_grad_norm=0.05, speculate=speculate).attach(model)  # fmt: skip
-        opt._speculation.off_after = 10**9
+        opt.coordinator.speculation.off_after = 10**9
         train(model, opt, 3, seed=7)
         runs.append((model, opt))
-    assert runs[0][1]._split.pipeline.rollbacks == 3
+    assert runs[0][1].coordinator.host.speculative.rollbacks == 3
     assert_same_run(*runs)
 
 
@@ -122,7 +122,8 @@ def test_an_abandoned_step_does_not_count_as_clipped() -> None:
     drain(opt)
     opt.zero_grad()  # abandoned: no multiplier is known for it
     F.mse_loss(model(torch.randn(8, 12)), torch.randn(8, 12)).backward()
-    assert opt._speculation.clipped_in_a_row == 1 and opt._split.pipeline._spec  # still speculating
+    assert opt.coordinator.speculation.clipped_in_a_row == 1
+    assert opt.coordinator.host.mode.name == "speculative"  # still speculating
     opt.step()
 
 
@@ -131,7 +132,7 @@ def test_zero_grad_before_step_undoes_the_speculative_updates() -> None:
     before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
     F.mse_loss(model(torch.randn(8, 12)), torch.randn(8, 12)).backward()
     drain(opt)
-    assert opt._split.pipeline._spec_held  # stepped and held
+    assert opt.coordinator.host.speculative.held  # stepped and held
     opt.zero_grad()
     after = opt.state_dict()["state"]
     for i, entry in before.items():
@@ -161,7 +162,7 @@ def test_state_read_between_speculative_steps_is_current() -> None:
         train_steps(model, opt, 2, seed=11)
         opt.synchronize()  # the last step's weights may still be going up
         runs.append((model, opt, seen))
-    assert runs[0][1]._split.pipeline.speculated_chunks == 9 * len(runs[0][1]._split.pipeline.chunks)
+    assert runs[0][1].coordinator.host.speculative.speculated_chunks == 9 * runs[0][1].coordinator.host.chunk_count
     for a, b in zip(runs[0][2], runs[1][2]):
         for i in a:
             for key in a[i]:
@@ -183,31 +184,28 @@ def train_steps(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int
 def lazy_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker applies the verdict on held chunks (keep or redo, then upload) only once the main thread waits
     for a chunk: a forward that read the weights without waiting would read the old ones on every run."""
-    from twinflow.pipeline import HostPipeline
+    from twinflow.host_side import HostSide
+    from twinflow.step_record import Phase
 
-    original_open, original_wait, original_settle = HostPipeline.open, HostPipeline.wait, HostPipeline._settle_held
+    original_open, original_wait = HostSide.open, HostSide.wait
+    asked: dict[int, bool] = {}  # id(host) -> a chunk of the sealed step was waited for
 
-    def open_(self, args=None, speculative: bool = False) -> None:
-        original_open(self, args, speculative)
-        with self._cond:
-            self._verdict_asked = False
+    def open_(self, args=None, mode: str = "exact") -> None:
+        original_open(self, args, mode)
+        with self.executor.condition:
+            key = id(self)
+            asked[key] = False
+            self.executor.gate = lambda job: job.kind != "verdict" or asked[key]
 
     def wait(self, chunk_ids: list[int]) -> None:
-        if self.phase == "sealed" and chunk_ids:
-            with self._cond:
-                self._verdict_asked = True
-                self._cond.notify_all()
+        if self.phase is Phase.SEALED and chunk_ids:
+            with self.executor.condition:
+                asked[id(self)] = True
+                self.executor.condition.notify_all()
         original_wait(self, chunk_ids)
 
-    def settle_held(self, held: list[int], verdict) -> list[int]:
-        with self._cond:
-            while not getattr(self, "_verdict_asked", True) and not self._stop:
-                self._cond.wait()
-        return original_settle(self, held, verdict)
-
-    monkeypatch.setattr(HostPipeline, "open", open_)
-    monkeypatch.setattr(HostPipeline, "wait", wait)
-    monkeypatch.setattr(HostPipeline, "_settle_held", settle_held)
+    monkeypatch.setattr(HostSide, "open", open_)
+    monkeypatch.setattr(HostSide, "wait", wait)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -215,7 +213,7 @@ def lazy_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_next_forward_waits_for_the_verdicts_weights(device: str, max_norm: float, lazy_verdict: None) -> None:
     spec = run(device, True, max_norm=max_norm, off_after=10**9)
     exact = run(device, False, max_norm=max_norm)
-    pipeline = spec[1]._split.pipeline
-    assert pipeline.speculated_chunks == 8 * len(pipeline.chunks)
-    assert pipeline.rollbacks == (0 if max_norm > 1 else 8)
+    host = spec[1].coordinator.host
+    assert host.speculative.speculated_chunks == 8 * host.chunk_count
+    assert host.speculative.rollbacks == (0 if max_norm > 1 else 8)
     assert_same_run(spec, exact)

@@ -1,17 +1,25 @@
-"""The package's structure, measured: imports form no cycle and go only downwards; the optimizer stays small.
+"""The code's structure, measured: imports form no cycle and go only downwards; classes and modules stay
+small; no module and no test reaches into another object's private attributes.
 
 Every ``import`` in every module of ``twinflow/`` counts, also those inside
 functions (they run too) and under ``if TYPE_CHECKING:``.
+
+The checks read files below ``ROOT`` (the checkout this file sits in) and import nothing from it, so a copy
+of this file in another checkout measures that checkout. Each checker takes source text, and a test of its
+own shows it catching a small example.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "twinflow"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "twinflow"
 
 
 def module_name(path: Path) -> str:
@@ -105,13 +113,6 @@ def test_no_private_name_from_another_module(module: str) -> None:
     assert not private, f"{module} imports private names {private}; make them public where they are defined"
 
 
-def test_the_optimizer_class_is_a_facade() -> None:
-    tree = ast.parse(MODULES["twinflow.twin_flow_adam"].read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TwinFlowAdam"]
-    lines = cls.end_lineno - cls.lineno + 1
-    assert lines <= 300, f"TwinFlowAdam is {lines} lines; move a job into its own module"
-
-
 def test_tune_does_not_import_the_optimizer() -> None:
     """ratio='auto' uses twinflow.tune, so tune (its model and probe) stays below the optimizer. Only its
     command line (``python -m twinflow.tune``, a program above everything) builds optimizers."""
@@ -122,3 +123,282 @@ def test_tune_does_not_import_the_optimizer() -> None:
         seen.add(m)
         below |= graph()[m] - seen
     assert "twinflow.twin_flow_adam" not in seen, sorted(seen)
+
+
+# --- Size: a class fits in one reading, a module holds one job -------------------------------------------
+
+MAX_CLASS_LINES = 300
+MAX_MODULE_LINES = 500
+CHECKED = sorted(p for d in ("twinflow", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py"))
+TESTS = sorted(p for p in (ROOT / "tests").glob("*.py") if p.name != Path(__file__).name)
+
+
+def rel(path: Path) -> str:
+    """`path` as the checkout names it (the test ids and messages)."""
+    return path.relative_to(ROOT).as_posix()
+
+
+def long_classes(source: str, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of every class in `source`, nested ones too, longer than `limit` lines
+    (``class`` line to last line of its body, decorators not counted)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and (lines := node.end_lineno - node.lineno + 1) > limit:
+            found.append((node.name, node.lineno, lines))
+    return sorted(found, key=lambda c: c[1])
+
+
+def module_lines(source: str) -> int:
+    """Lines of a module, as ``wc -l`` counts them for a file ending in a newline."""
+    return len(source.splitlines())
+
+
+def test_the_class_measure_catches_a_long_class() -> None:
+    body = [f"x{i} = {i}" for i in range(MAX_CLASS_LINES - 1)]  # with its `class` line: at the limit
+    fits = "".join(f"\n    {line}" for line in body)
+    over = "".join(f"\n        {line}" for line in [*body, "y = 0"])
+    source = f"class Fits:{fits}\n\ndef f():\n    class Over:{over}\n"
+    assert long_classes(source) == [("Over", MAX_CLASS_LINES + 3, MAX_CLASS_LINES + 1)]
+    assert long_classes(source, limit=MAX_CLASS_LINES + 1) == []
+
+
+def test_the_module_measure_counts_lines() -> None:
+    assert module_lines("x = 1\n" * (MAX_MODULE_LINES + 1)) == MAX_MODULE_LINES + 1
+    assert module_lines("x = 1") == 1
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=rel)
+def test_every_class_is_at_most_300_lines(path: Path) -> None:
+    """A class longer than this does more than one job; the optimizer's facade TwinFlowAdam included."""
+    over = long_classes(path.read_text(encoding="utf-8"))
+    assert not over, "; ".join(
+        f"{rel(path)}:{line}: class {name} is {lines} lines, over {MAX_CLASS_LINES}; "
+        "move one of its jobs into a class of its own and keep a thin method that delegates"
+        for name, line, lines in over
+    )
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=rel)
+def test_every_module_is_at_most_500_lines(path: Path) -> None:
+    """A module longer than this holds more than one job, and nobody reads it whole."""
+    lines = module_lines(path.read_text(encoding="utf-8"))
+    assert lines <= MAX_MODULE_LINES, (
+        f"{rel(path)} is {lines} lines, over {MAX_MODULE_LINES}; split one of its jobs into a module of its own"
+    )
+
+
+# --- Privacy: an object's underscore attributes are for its own class -----------------------------------
+
+# Private names of torch and Python that the code may use (torch's fused kernels, autograd's task id, the
+# extension build folder, a child process's hard exit, ...). They never count, even should twinflow define a
+# name of the same spelling; other names from outside count only when twinflow defines them too.
+TORCH_PRIVATE = frozenset(
+    {"_version", "_C", "_dynamo", "_inductor", "_fused_adam_", "_fused_adamw_", "_current_graph_task_id", "_sleep"}
+    | {"_get_build_directory", "_exit", "_getframe"}
+)
+TORCH_PRIVATE_PREFIXES = ("_foreach_",)
+# Calls that reach an attribute by its name in a string: getattr(obj, "_x"), monkeypatch.setattr(obj, "_x", v),
+# mock.patch.object(obj, "_x"); and the dotted form monkeypatch.setattr("twinflow.pipeline._x", v).
+BY_STRING = frozenset({"getattr", "setattr", "hasattr", "delattr", "object"})
+BY_DOTTED_STRING = frozenset({"setattr", "delattr", "patch"})
+
+
+def is_private(name: str) -> bool:
+    """One leading underscore (a dunder such as __init__ is public protocol; a lone _ is no name)."""
+    return len(name) > 1 and name[0] == "_" and not (name.startswith("__") and name.endswith("__"))
+
+
+def from_torch_or_python(name: str) -> bool:
+    return name in TORCH_PRIVATE or name.startswith(TORCH_PRIVATE_PREFIXES)
+
+
+def outside_functions(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of `tree` at module or class level: function bodies (their locals) are skipped."""
+    for child in ast.iter_child_nodes(tree):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from outside_functions(child)
+
+
+def string_arg(call: ast.Call, index: int) -> str | None:
+    arg = call.args[index] if len(call.args) > index else None
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def private_names_defined(source: str, on_any_object: bool = True) -> set[str]:
+    """The private names `source` gives a meaning to: functions and classes at any depth, names bound at
+    module or class level, and attributes it stores: ``self._x = ...``, ``setattr(self, "_x", v)``,
+    ``self.__dict__["_x"]`` (``.setdefault``), and with `on_any_object` the same on other objects too
+    (``ddp._x = True``: the package marks objects it does not own). Imports define nothing
+    (``from twinflow.m import _x`` is a use)."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr if on_any_object or is_own(node.value) else "")
+        elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)) and node.args:
+            func, owner = node.func, node.args[0]
+            if isinstance(func, ast.Attribute) and func.attr == "setdefault" and is_dict_of(func.value):
+                owner, name = func.value.value, string_arg(node, 0)
+            elif isinstance(func, ast.Name) and func.id == "setattr":
+                name = string_arg(node, 1)
+            else:
+                continue
+            names.add((name or "") if on_any_object or is_own(owner) else "")
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and is_dict_of(node.value):
+            key = node.slice.value if isinstance(node.slice, ast.Constant) else ""
+            names.add(str(key) if on_any_object or is_own(node.value.value) else "")
+    names |= {n.id for n in outside_functions(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return {n for n in names if is_private(n)}
+
+
+def is_dict_of(node: ast.expr) -> bool:
+    """`obj.__dict__`: writing a key of it defines the attribute of that name."""
+    return isinstance(node, ast.Attribute) and node.attr == "__dict__"
+
+
+def is_own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object whose class the code is part of."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+@functools.cache
+def twinflow_private() -> frozenset[str]:
+    """Every private name the package defines: the names whose use across objects the checks below count."""
+    return frozenset().union(*(private_names_defined(p.read_text(encoding="utf-8")) for p in PACKAGE.rglob("*.py")))
+
+
+def reached_by_string(call: ast.Call) -> str | None:
+    """The attribute name a call reaches through a string on an object other than its own, or None."""
+    func = call.func
+    called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    dotted = string_arg(call, 0)
+    if called in BY_DOTTED_STRING and dotted and "." in dotted:
+        return dotted.rpartition(".")[2]
+    if called in BY_STRING and call.args and not is_own(call.args[0]):
+        return string_arg(call, 1)
+    return None
+
+
+def brief(node: ast.AST) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def private_reads(source: str, names: Set[str]) -> list[tuple[int, str]]:
+    """(line, code) for each place `source` touches, on an object other than its own, a private attribute
+    whose name is in `names`: ``obj._x`` (read, written or deleted), ``getattr(obj, "_x")`` and the like,
+    ``from twinflow.m import _x``. Names on the torch/Python list never count."""
+    counted = {n for n in names if not from_torch_or_python(n)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in counted and not is_own(node.value):
+            found.append((node.lineno, f"{brief(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Call) and reached_by_string(node) in counted:
+            found.append((node.lineno, f"{brief(node.func)}({', '.join(brief(a) for a in node.args[:2])}, ...)"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "twinflow":
+            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if a.name in counted]
+    return sorted(found)
+
+
+def report(path: Path, found: list[tuple[int, str]], fix: str) -> str:
+    where = "".join(f"\n  {rel(path)}:{line}: {code}" for line, code in found)
+    return f"{rel(path)} touches private attributes of other objects in {len(found)} places:{where}\n{fix}"
+
+
+def test_the_privacy_check_catches_reads_across_objects() -> None:
+    source = """
+class Late(Base):
+    def step(self, opt, p, t):
+        opt._split.x
+        self._x, cls._x, super()._g(t)
+        p._version, torch._foreach_copy_(a, b), sys._getframe()
+        getattr(self, "_split"), getattr(opt, "_split", None), opt._other
+def test_pick(monkeypatch):
+    monkeypatch.setattr(HostPipeline, "_pick", f)
+    monkeypatch.setattr("twinflow.pipeline._pick", f)
+    from twinflow.pipeline import _pick
+"""
+    names = {"_split", "_x", "_g", "_pick", "_version", "_foreach_copy_"}
+    assert private_reads(source, names) == [
+        (4, "opt._split"),
+        (7, "getattr(opt, '_split', ...)"),
+        (9, "monkeypatch.setattr(HostPipeline, '_pick', ...)"),
+        (10, "monkeypatch.setattr('twinflow.pipeline._pick', f, ...)"),
+        (11, "from twinflow.pipeline import _pick"),
+    ]
+
+
+def test_the_definitions_are_collected_at_every_level() -> None:
+    source = """
+import os as _os
+from twinflow.pipeline import _pick
+_TABLE, __all__ = {}, []
+class _Hidden:
+    _slot: int = 0
+    def __init__(self, other):
+        self._x = 1
+        other._y = 2
+        setattr(self, "_z", 3)
+        setattr(other, "_u", 4)
+        self.__dict__.setdefault("_w", 5)
+        other.__dict__["_v"] = 6
+        _local = 7
+def _helper(_arg):
+    pass
+"""
+    own = {"_TABLE", "_Hidden", "_slot", "_x", "_z", "_w", "_helper"}
+    assert private_names_defined(source) == own | {"_y", "_u", "_v"}
+    assert private_names_defined(source, on_any_object=False) == own
+    assert twinflow_private() and all(is_private(n) for n in twinflow_private())
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=rel)
+def test_no_module_reads_private_attributes_of_other_objects(path: Path) -> None:
+    """An object's underscore attributes may change with its class; other code asks it through public
+    methods and properties. Counted: the private names twinflow itself defines, on any object but the
+    code's own (``self``, ``cls``, ``super()``); a module's private functions called by plain name are fine."""
+    found = private_reads(path.read_text(encoding="utf-8"), twinflow_private())
+    fix = "make what it needs public on the owner (a method or property), or move the code into the owner's class"
+    assert not found, report(path, found, fix)
+
+
+def names_of_tests(source: str, conftest: str | None = None) -> set[str]:
+    """Private names a test file may use freely: its own and those of `conftest` (tests/conftest.py when
+    None). Only attributes stored on `self` count as its own: ``opt._split = None`` in a test is a use of
+    twinflow's name."""
+    if conftest is None:
+        conftest = (ROOT / "tests" / "conftest.py").read_text(encoding="utf-8")
+    return private_names_defined(source, on_any_object=False) | private_names_defined(conftest, on_any_object=False)
+
+
+def test_a_test_may_use_its_own_private_helpers() -> None:
+    source = """
+class _Fake:
+    def __init__(self):
+        self._calls = 0
+def test(fake, opt):
+    opt._split = None
+    fake._calls, opt._split
+"""
+    conftest = "def _helper():\n    pass\n"
+    own = names_of_tests(source, conftest)
+    assert own == {"_Fake", "_calls", "_helper"}
+    assert private_reads(source + "fake._helper()\n", {"_calls", "_split", "_helper"} - own) == [
+        (6, "opt._split"),
+        (7, "opt._split"),
+    ]
+
+
+@pytest.mark.parametrize("path", TESTS, ids=rel)
+def test_tests_drive_the_public_protocol(path: Path) -> None:
+    """A test that reaches into twinflow's private attributes pins the implementation, not the behaviour:
+    it breaks on a refactor that keeps every promise, and passes on one that breaks a promise."""
+    source = path.read_text(encoding="utf-8")
+    found = private_reads(source, twinflow_private() - names_of_tests(source))
+    fix = "drive the object through its public methods, or make what the test needs public where it is defined"
+    assert not found, report(path, found, fix)

@@ -108,7 +108,8 @@ def test_state_dict_loads_into_adamw_and_back(device: str) -> None:
 def test_split_summary_and_no_host_state_at_ratio_zero() -> None:
     model = make_model("cpu")
     opt = TwinFlowAdam(model.parameters(), ratio=0.0)
-    assert opt.split_summary["cpu"]["elements"] == 0 and opt._split.pipeline is None and opt._split.cpu == []
+    assert opt.split_summary["cpu"]["elements"] == 0 and opt.coordinator.split.host is None
+    assert opt.coordinator.host.chunk_count == 0 and not opt.coordinator.host.chunks_of
     opt = TwinFlowAdam(model.parameters(), ratio=0.37)
     total = sum(p.numel() for p in model.parameters())
     assert opt.split_summary["cpu"]["elements"] == round(0.37 * total)
@@ -258,17 +259,17 @@ def test_race_many_chunks_busy_gpu() -> None:
 @pytest.mark.parametrize("removed", ["grad_ready", "final_wait"])
 def test_race_test_catches_a_missing_synchronisation(monkeypatch: pytest.MonkeyPatch, removed: str) -> None:
     """The race test above must fail when one of the synchronisations is taken out."""
-    from twinflow import pipeline, transfer
+    from twinflow import staging, transfer
 
     if removed == "grad_ready":
-        original_init = pipeline.HostPipeline.__init__
+        original_init = staging.Staging.__init__
 
         def init_without_wait(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             for chunk in self.chunks:
                 chunk.grad_ready = transfer.NoEvent()
 
-        monkeypatch.setattr(pipeline.HostPipeline, "__init__", init_without_wait)
+        monkeypatch.setattr(staging.Staging, "__init__", init_without_wait)
     else:
         original_h2d = transfer.Streams.h2d
 
@@ -289,7 +290,7 @@ def test_memory_is_flat_over_100_steps() -> None:
 
     params = bf16_params(4, 1_000_000, seed=13)
     opt = TwinFlowAdam(params, ratio=0.5, chunk_bytes=1 << 20)
-    buffers = [c.buffer.data_ptr() for c in opt._split.pipeline.chunks]
+    buffers = [c.buffer.data_ptr() for c in opt.coordinator.host.staging.chunks]
     readings = []
     for step in range(100):
         for p in params:
@@ -303,7 +304,7 @@ def test_memory_is_flat_over_100_steps() -> None:
             readings.append((torch.cuda.memory_allocated(), rss))
     assert readings[1][0] == readings[0][0], "device memory grew"
     assert readings[1][1] - readings[0][1] < 32 << 20, "host memory grew by more than 32 MiB"
-    assert [c.buffer.data_ptr() for c in opt._split.pipeline.chunks] == buffers
+    assert [c.buffer.data_ptr() for c in opt.coordinator.host.staging.chunks] == buffers
     cpu_grad_bytes = opt.split_summary["cpu"]["elements"] * 2
     assert cpu_grad_bytes <= opt.split_summary["pinned_bytes"] <= cpu_grad_bytes + 64 * len(buffers) * 4
 

@@ -281,7 +281,9 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
 
     Runs before the optimizer sees the state: some optimizers (torch's among
     them) would change their groups before failing on a missing key, or fail
-    only at the next step.
+    only at the next step. TwinFlowAdam's own ``load_state_dict`` checks its
+    entries before changing anything: only the state dict's shape is checked
+    here for it.
     """
     fix = (
         "The checkpoint is damaged or was saved with another optimizer: load another tag, or build the optimizer "
@@ -296,6 +298,8 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
         raise CheckpointError(
             f"{where}: the optimizer state's 'param_groups' is not a list of groups with 'params'. {fix}"
         )
+    if isinstance(optimizer, TwinFlowAdam):
+        return  # its load_state_dict checks every entry, naming the parameter and key, before anything changes
     group_of = {pid: gi for gi, g in enumerate(groups) for pid in g["params"]}
     params: dict[Any, torch.Tensor] = {}  # saved index -> this optimizer's parameter, where the groups line up
     if len(groups) == len(optimizer.param_groups):
@@ -434,9 +438,12 @@ def load_checkpoint(
     _copy_into(current, saved)
     try:
         optimizer.load_state_dict(shard["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         _copy_into(current, backup)
-        raise CheckpointError(f"checkpoint {tag!r}: the optimizer state does not fit: {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint {tag!r}: the optimizer state does not fit: {exc}. The checkpoint is damaged or was saved "
+            "with another optimizer or model: load another tag, or build the model and optimizer it was saved with"
+        ) from exc
     if scheduler is not None:
         scheduler.load_state_dict(shard["scheduler"])
     if rank == 0:

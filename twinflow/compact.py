@@ -87,7 +87,11 @@ def _pow2(field: torch.Tensor | int) -> torch.Tensor:
     return (torch.as_tensor(field, dtype=torch.int64) << 23).to(torch.int32).view(_F32)
 
 
-def _d(scales: torch.Tensor, numel: int, top: int) -> torch.Tensor:
+def block_shift(scales: torch.Tensor, numel: int, top: int) -> torch.Tensor:
+    """Each element's ``D = F - top`` (int64, at least 0): its block's scale field ``F`` (``scales``, one per block
+    of ``numel`` elements) minus the moment's top field (:data:`TOP_FIELD_M` or :data:`TOP_FIELD_V`). Decoding
+    multiplies a code's value by ``2^D``, encoding by ``2^-D``; below the block's lowest binade the codes are
+    ``2^(D - 129)`` apart."""
     return torch.clamp(_per_element(scales.to(torch.int64), numel) - top, min=0)
 
 
@@ -101,11 +105,13 @@ def _decode(a: torch.Tensor, sign: torch.Tensor, d: torch.Tensor) -> torch.Tenso
 
 def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int64)
-    return _decode(c.abs(), (c < 0).to(torch.int64) << 31, _d(scales, c.numel(), TOP_FIELD_M))
+    return _decode(c.abs(), (c < 0).to(torch.int64) << 31, block_shift(scales, c.numel(), TOP_FIELD_M))
 
 
 def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _decode(codes.to(torch.int64), torch.zeros((), dtype=torch.int64), _d(scales, codes.numel(), TOP_FIELD_V))
+    return _decode(
+        codes.to(torch.int64), torch.zeros((), dtype=torch.int64), block_shift(scales, codes.numel(), TOP_FIELD_V)
+    )
 
 
 def hash32(index: torch.Tensor, key: int) -> torch.Tensor:
@@ -152,10 +158,10 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor 
     n = m.numel()
     h = noise if noise is not None else torch.full((n,), 0x80008000, dtype=torch.int64)
     scale_m, scale_v = _field(_block_max(m.abs()), TOP_FIELD_M), _field(_block_max(v), TOP_FIELD_V)
-    a = _encode(m.abs(), h & 0xFFFF, _d(scale_m, n, TOP_FIELD_M), 127)
+    a = _encode(m.abs(), h & 0xFFFF, block_shift(scale_m, n, TOP_FIELD_M), 127)
     codes_m = torch.where(torch.signbit(m), -a, a)
     # a positive v keeps at least the lowest code: zero beside a nonzero m would make the update m / eps
-    codes_v = torch.maximum(_encode(v, h >> 16, _d(scale_v, n, TOP_FIELD_V), 255), (v > 0).to(torch.int64))
+    codes_v = torch.maximum(_encode(v, h >> 16, block_shift(scale_v, n, TOP_FIELD_V), 255), (v > 0).to(torch.int64))
     return codes_m.to(torch.int8), scale_m, codes_v.to(torch.uint8), scale_v
 
 

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from twinflow.partition import SegmentState
+from twinflow.partition import Segment
 
 UPCAST_ELEMENTS = 1 << 26  # bf16/fp16 gradients are upcast to fp32 at most this many at a time (256 MiB)
 
 
-def new_state(seg: object, flat: torch.Tensor) -> SegmentState:
+@dataclass
+class SegmentState:
+    """A device-side segment's optimizer state."""
+
+    seg: Segment
+    master: torch.Tensor  # fp32; a float32 parameter's own elements
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    device_step: torch.Tensor  # the fused kernel's step counter
+
+
+def new_state(seg: Segment, flat: torch.Tensor) -> SegmentState:
     """A device-side segment's fresh state; `flat` is the parameter's elements [start, end).
 
     A float32 parameter is its own master (the fused kernel updates it in
@@ -21,6 +33,52 @@ def new_state(seg: object, flat: torch.Tensor) -> SegmentState:
     master = flat if flat.dtype == torch.float32 else flat.float()
     step = torch.zeros((), dtype=torch.float32, device=flat.device)
     return SegmentState(seg, master, torch.zeros_like(master), torch.zeros_like(master), step)
+
+
+class DeviceState:
+    """The device side's masters, moments and step counters, per segment: the only owner of those tensors."""
+
+    def __init__(self, segments: list[Segment], weights: list[torch.Tensor]) -> None:
+        self.weights = weights
+        self.states = [new_state(seg, weights[seg.index].view(-1)[seg.start : seg.end]) for seg in segments]
+        self.of = {st.seg.index: st for st in self.states}
+
+    def holds(self, i: int) -> bool:
+        return i in self.of
+
+    def range(self, i: int) -> tuple[int, int]:
+        """The elements [start, end) of parameter i that step on the device."""
+        seg = self.of[i].seg
+        return seg.start, seg.end
+
+    def view(self, i: int, key: str) -> torch.Tensor:
+        """Parameter i's device elements of `key` (live)."""
+        return getattr(self.of[i], key)
+
+    def read(self, i: int, key: str) -> torch.Tensor:
+        return getattr(self.of[i], key)
+
+    def master_is_weight(self, i: int) -> bool:
+        st = self.of[i]
+        w = self.weights[i]
+        return st.master.data_ptr() == w.data_ptr() + st.seg.start * w.element_size()
+
+    @torch.no_grad()
+    def write(self, i: int, values: dict[str, torch.Tensor | None]) -> None:
+        """Sets `values` (flat over parameter i's device elements; a moment None: fresh)."""
+        st = self.of[i]
+        for key, value in values.items():
+            if key == "master" and self.master_is_weight(i):
+                continue  # a float32 parameter is its own master
+            target = getattr(st, key)
+            target.copy_(value) if value is not None else target.zero_()
+
+    def set_step(self, i: int, steps: int) -> None:
+        if i in self.of:
+            self.of[i].device_step.fill_(steps)
+
+    def stepped(self, with_grad: set[int]) -> list[SegmentState]:
+        return [st for st in self.states if st.seg.index in with_grad]
 
 
 def step(

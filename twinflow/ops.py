@@ -26,17 +26,21 @@ log = logging.getLogger(__name__)
 SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
 SIMD_NAMES = {level: name for name, level in SIMD_LEVELS.items()}
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+"""The directory holding the kernel's C++ sources (a source checkout's ``csrc/``); tests may point it elsewhere."""
 _SOURCES = ("cpu_adam.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avx512.cpp")
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 _LOAD_LOCK = threading.Lock()
-_loaded = False
+loaded = False
+"""Whether :func:`load` has made the kernel's ops available; tests may reset it to make the next load run again."""
 # torch decides inside cpp_extension.load() whether to compile, so a compile is known only by how long the load
 # takes: a cached kernel loads in well under this (0.04 s), a compile takes 10-45 s on 2 cores. Past it, one line
 # says why the program is quiet (a progress bar would otherwise stall with no explanation); a cached load says nothing.
-_BUILD_NOTICE_AFTER_S = 1.0
+BUILD_NOTICE_AFTER_S = 1.0
+"""Seconds a kernel load may take before a notice says it is compiling; tests may replace it."""
 # A build takes about 15-60 s; a lock older than this is left by a build that was killed (torch would wait forever).
-_LOCK_WAIT_S = 600.0
+LOCK_WAIT_S = 600.0
+"""Seconds to wait for another process's build lock before calling it stale; tests may replace it."""
 
 
 class BuildError(RuntimeError):
@@ -48,7 +52,9 @@ def _compiler() -> str:
     return os.environ.get("CXX") or ("g++" if shutil.which("g++") else "c++")
 
 
-def _missing_build_tools() -> list[str]:
+def missing_build_tools() -> list[str]:
+    """What building the kernel lacks here (compiler, ninja, Python headers, sources), each with how to get it;
+    empty when everything is present. Tests may replace it."""
     problems = []
     cxx = _compiler()
     if shutil.which(cxx) is None:
@@ -65,17 +71,18 @@ def _missing_build_tools() -> list[str]:
         problems.append(
             f"Python headers not found in {include!r}: install them (Debian/Ubuntu: `apt-get install python3-dev`)"
         )
-    missing_sources = [s for s in _SOURCES if not (_CSRC / s).exists()]
+    missing_sources = [s for s in _SOURCES if not (CSRC / s).exists()]
     if missing_sources:
         problems.append(
-            f"kernel sources {missing_sources} not found under {_CSRC}: install twinflow from a source "
+            f"kernel sources {missing_sources} not found under {CSRC}: install twinflow from a source "
             "checkout (`pip install -e .`) or build it ahead of time with TWINFLOW_BUILD_EXT=1"
         )
     return problems
 
 
-def _load_prebuilt() -> bool:
-    """Loads the library built by setup.py (TWINFLOW_BUILD_EXT=1), if present."""
+def load_prebuilt() -> bool:
+    """Loads the library built by setup.py (TWINFLOW_BUILD_EXT=1), if present: whether it did. Tests may replace
+    it."""
     for path in sorted(Path(__file__).resolve().parent.glob("_C*.so")):
         torch.ops.load_library(str(path))
         log.debug("loaded prebuilt kernel %s", path)
@@ -83,8 +90,10 @@ def _load_prebuilt() -> bool:
     return False
 
 
-def _build_and_load() -> None:
-    problems = _missing_build_tools()
+def build_and_load() -> None:
+    """Compiles the kernel (or finds torch's cached build) and loads it; BuildError naming what is missing or
+    what failed. Tests may replace it."""
+    problems = missing_build_tools()
     if problems:
         raise BuildError("cannot build the twinflow CPU Adam kernel:\n  - " + "\n  - ".join(problems))
     from torch.utils import cpp_extension
@@ -100,7 +109,7 @@ def _build_and_load() -> None:
         _wait_for_other_build(cpp_extension)
         cpp_extension.load(
             name="twinflow_cpu_adam",
-            sources=[str(_CSRC / s) for s in _SOURCES],
+            sources=[str(CSRC / s) for s in _SOURCES],
             extra_cflags=_CFLAGS + os.environ.get("TWINFLOW_EXTRA_CFLAGS", "").split(),
             extra_ldflags=["-fopenmp", "-lstdc++"],
             is_python_module=False,
@@ -124,17 +133,17 @@ def _build_and_load() -> None:
 
 
 def _wait_for_other_build(cpp_extension: object) -> None:
-    """Waits (at most _LOCK_WAIT_S) while another process builds the kernel; a lock that outlives that was left
+    """Waits (at most LOCK_WAIT_S) while another process builds the kernel; a lock that outlives that was left
     by a build that was killed, and torch would wait for it forever: BuildError naming the file and the fix."""
     try:
         lock = Path(cpp_extension._get_build_directory("twinflow_cpu_adam", verbose=False)) / "lock"
     except Exception:  # torch's layout changed: leave the waiting to torch
         return
-    deadline = time.monotonic() + _LOCK_WAIT_S
+    deadline = time.monotonic() + LOCK_WAIT_S
     while lock.exists():
         if time.monotonic() >= deadline:
             raise BuildError(
-                f"the kernel's build lock {lock} has been held for over {_LOCK_WAIT_S:.0f} s: a build was "
+                f"the kernel's build lock {lock} has been held for over {LOCK_WAIT_S:.0f} s: a build was "
                 "probably killed while compiling. If no other process is building twinflow, delete that file "
                 "and run again"
             )
@@ -142,7 +151,7 @@ def _wait_for_other_build(cpp_extension: object) -> None:
 
 
 class _BuildNotice:
-    """Two notices around a load that compiles: one once it has taken _BUILD_NOTICE_AFTER_S, and then one
+    """Two notices around a load that compiles: one once it has taken BUILD_NOTICE_AFTER_S, and then one
     with the seconds it took. A load that ends sooner (the cached kernel) gives neither."""
 
     def __init__(self) -> None:
@@ -150,7 +159,7 @@ class _BuildNotice:
         self._lock = threading.Lock()  # the start line is written before the end line, never after it
         self._announced = False
         self._over = False
-        self._timer = threading.Timer(_BUILD_NOTICE_AFTER_S, self._announce)
+        self._timer = threading.Timer(BUILD_NOTICE_AFTER_S, self._announce)
         self._timer.daemon = True
         self._timer.start()
 
@@ -179,16 +188,16 @@ class _BuildNotice:
 
 def load() -> None:
     """Makes ``torch.ops.twinflow.*`` available, building the kernel if needed."""
-    global _loaded
-    if _loaded:
+    global loaded
+    if loaded:
         return
     with _LOAD_LOCK:
-        if _loaded:
+        if loaded:
             return
-        if os.environ.get("TWINFLOW_FORCE_JIT") == "1" or not _load_prebuilt():
-            _build_and_load()
-        _register_fakes()
-        _loaded = True
+        if os.environ.get("TWINFLOW_FORCE_JIT") == "1" or not load_prebuilt():
+            build_and_load()
+        register_fakes()
+        loaded = True
 
 
 @functools.cache
@@ -239,12 +248,14 @@ def default_num_threads() -> int:
     if threads == 1 and local > 1:  # called for every chunk: the core count only in this rare case
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if cores >= 2 * local:
-            _warn_one_thread(cores, local)
+            warn_one_thread(cores, local)
     return threads
 
 
 @functools.cache
-def _warn_one_thread(cores: int, local: int) -> None:
+def warn_one_thread(cores: int, local: int) -> None:
+    """Warns, once per (cores, local) (a ``functools.cache``), that torchrun left the kernel one thread, naming the
+    fix. Tests may clear its cache (``warn_one_thread.cache_clear()``) to see the warning again."""
     log.warning(
         "the CPU Adam kernel gets 1 thread (torchrun sets OMP_NUM_THREADS=1 for %d processes on %d cores); "
         "set OMP_NUM_THREADS=%d (or TWINFLOW_NUM_THREADS, or TwinFlowAdam(num_threads=...)) for a faster step",
@@ -341,8 +352,9 @@ def bandwidth_probe_(
     )
 
 
-def _register_fakes() -> None:
-    """Shape functions so the ops trace under FakeTensor / torch.compile."""
+def register_fakes() -> None:
+    """Registers shape functions so the ops trace under FakeTensor / torch.compile (once per process, after the
+    library is loaded). Tests may replace it."""
 
     @torch.library.register_fake("twinflow::adam_step_")
     def _adam_step_fake(*args, **kwargs) -> None:

@@ -1,15 +1,9 @@
-"""Which elements step where (pure functions, deterministic, in parameter order), and a segment's state."""
+"""Which elements step where (pure functions, deterministic, in parameter order)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-    from twinflow.compact import Master24
 
 PLACEMENTS = ("first", "last")
 
@@ -65,14 +59,3 @@ def split(numels: list[int], ratio: float, placement: str = "first") -> list[Seg
             segments.append(Segment(index, a, b, on_cpu=lo <= offset + a and offset + b <= hi))
         offset += n
     return segments
-
-
-@dataclass
-class SegmentState:
-    """A segment's optimizer state, on its side; the only owner of these tensors."""
-
-    seg: Segment
-    master: torch.Tensor | Master24  # fp32 (device side, float32 parameter: its own slice); CPU int8_m24: 24-bit
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    device_step: torch.Tensor | None = None  # device side: the fused kernel's step counter

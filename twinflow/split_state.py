@@ -2,32 +2,80 @@
 
 One ``SplitState`` is built per plan (at construction, or at the first step
 under ``ratio="auto"``) and rebuilt when the parameters change (a group
-added, a frozen parameter unfrozen). It owns every parameter's step count,
-the CPU side's fp32 masters and moments (three flat host buffers, one slice
-per segment, stepped by a ``HostPipeline``) and the device side's, and it
-turns them into torch.optim's per-parameter layout and back.
+added, a frozen parameter unfrozen). It owns every parameter's step count
+and, through one owner per side, the masters and moments: the CPU share's
+(:class:`twinflow.host_state.HostState`, in its precision) and the device's
+(:class:`twinflow.device_side.DeviceState`). It turns them into torch.optim's
+per-parameter layout and back; nobody else reads those tensors.
 """
 
 from __future__ import annotations
 
-import logging
-import weakref
-from typing import Any
+import threading
+from typing import Any, Protocol
 
 import torch
 
-from twinflow import compact, device_side, distributed
-from twinflow.partition import SegmentState, split
-from twinflow.pipeline import HostPipeline, HostSegment, StepArgs
-
-log = logging.getLogger(__name__)
+from twinflow import device_side, distributed
+from twinflow.host_state import HostState
+from twinflow.partition import split
+from twinflow.staging import Piece, plan_pieces
+from twinflow.step_record import Phase
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENTRY_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # a parameter's state in torch.optim's layout
 
 
+class Writer(Protocol):
+    """What steps the CPU share's state: the split asks it to finish before the state is read."""
+
+    phase: Phase
+
+    def settle(self) -> None: ...
+
+    def quiesce(self, params: set[int] | None = None) -> None: ...
+
+
+class NoWriter:
+    """No CPU share: nothing steps the state behind the split's back."""
+
+    phase = Phase.IDLE
+
+    def settle(self) -> None:
+        pass
+
+    def quiesce(self, params: set[int] | None = None) -> None:
+        pass
+
+
+NO_WRITER = NoWriter()
+
+
+class WeightVersions:
+    """Per parameter, its version counter right after the optimizer last wrote its weights (either side, any
+    thread): a higher count means someone else wrote them since."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.weights = weights
+        self.lock = threading.Lock()
+        self.seen = [w._version for w in weights]
+
+    def note(self, i: int) -> None:
+        with self.lock:
+            self.seen[i] = max(self.seen[i], self.weights[i]._version)
+
+    def moved(self) -> set[int]:
+        return {i for i, w in enumerate(self.weights) if w._version > self.seen[i]}
+
+    def forget(self) -> None:
+        """Every weight counts as changed outside the optimizer."""
+        with self.lock:
+            self.seen = [-1] * len(self.weights)
+
+
 class SplitState:
-    """The parameters of `param_groups`, numbered in order; after ``build()``, their split and state."""
+    """The parameters of `param_groups`, numbered in order; after ``build()``, their split and all of their
+    state: step counts here, masters and moments in one owner per side (``host``: the CPU's, ``device``)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], precision: str = "fp32") -> None:
         self.precision = precision  # of the CPU share's state: "fp32", "int8" or "int8_m24" (twinflow.compact)
@@ -60,63 +108,46 @@ class SplitState:
         self.has_state = [False] * len(self.params)  # stepped, or given state (a step count of 0 keeps it)
         self.generation = 0  # counts changes of the state's values, except in place through views (opt.state)
         self.handed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # copies given to opt.state: their version
-        self.segments_of: list[list[SegmentState]] | None = None  # per parameter; None until build()
-        self.pipeline: HostPipeline | None = None
+        self.versions = WeightVersions(self.locals)
+        self.host: HostState | None = None  # the CPU share's masters and moments (None: no CPU share)
+        self.device_state: device_side.DeviceState | None = None  # None until build()
+        self.writer: Writer = NO_WRITER  # what steps the CPU share's state (set with the split's CPU side)
+        self.planned: set[int] = set()
+        self.fully_cpu: set[int] = set()
 
     @property
     def built(self) -> bool:
-        return self.segments_of is not None
+        return self.device_state is not None
 
     @property
     def step_open(self) -> bool:
         """Gradients of a step were streamed to the host and ``step()`` has not run yet."""
-        return self.pipeline is not None and self.pipeline.phase == "open"
+        return self.writer.phase is Phase.OPEN
 
-    def build(self, ratio: float, placement: str, chunk_bytes: int, num_threads: int | None) -> dict[str, Any]:
-        """Splits the trainable parameters and creates their state (fresh); returns the split's summary."""
+    def build(self, ratio: float, placement: str, chunk_bytes: int) -> list[Piece]:
+        """Splits the trainable parameters and creates their state (fresh); returns the CPU share's pieces."""
         # Frozen parameters take no part (no state, no hooks): with LoRA most of the model is frozen.
         self.planned = {i for i, p in enumerate(self.params) if p.requires_grad}
         numels = [p.numel() if i in self.planned else 0 for i, p in enumerate(self.locals)]
-        segments = split(numels, ratio, placement)
-        # Per parameter, its version counter right after the optimizer last wrote it (see refresh_moved_masters).
-        self.written = [p._version for p in self.locals]
-        self.segments_of = [[] for _ in self.params]
-        self.cpu: list[SegmentState] = []
-        self.dev: list[SegmentState] = []
-        cpu_total = sum(seg.numel for seg in segments if seg.on_cpu)
-        # int8: the moments live in the pipeline's pieces, 8-bit (twinflow.compact); the masters stay float32, or
-        # (int8_m24) take 24 bits
-        if self.precision == "int8_m24":
-            host = [compact.Master24.empty(cpu_total)]
-        else:
-            host = [torch.empty(cpu_total, dtype=torch.float32) for _ in range(3 if self.precision == "fp32" else 1)]
-        offset = 0
+        segments = [seg for seg in split(numels, ratio, placement) if seg.numel]
+        cpu = [seg for seg in segments if seg.on_cpu]
+        self.versions = WeightVersions(self.locals)
+        pieces = plan_pieces(cpu, [p.element_size() for p in self.locals], chunk_bytes)
+        self.host = HostState(pieces, self.precision) if pieces else None
         with torch.no_grad():
-            for seg in segments:
-                flat = self.locals[seg.index].view(-1)[seg.start : seg.end]
-                if seg.on_cpu:
-                    master, exp_avg, exp_avg_sq = [h[offset : offset + seg.numel] for h in host] + [None] * (
-                        3 - len(host))  # fmt: skip
-                    offset += seg.numel
-                    master.copy_(flat)
-                    if exp_avg is not None:
-                        exp_avg.zero_()
-                        exp_avg_sq.zero_()
-                    self.cpu.append(SegmentState(seg, master, exp_avg, exp_avg_sq))
-                else:
-                    self.dev.append(device_side.new_state(seg, flat))
-                self.segments_of[seg.index].append(self.cpu[-1] if seg.on_cpu else self.dev[-1])
+            if self.host is not None:
+                for seg in cpu:  # the masters from the weights; the moments fresh
+                    self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end],
+                                                "exp_avg": None, "exp_avg_sq": None})  # fmt: skip
+            self.device_state = device_side.DeviceState([seg for seg in segments if not seg.on_cpu], self.locals)
         # Parameters wholly on the CPU: their device gradient may be released once it is down.
-        self.fully_cpu = {i for i, sts in enumerate(self.segments_of) if sts and all(s.seg.on_cpu for s in sts)}
-        if self.cpu:
-            host_segments = [HostSegment(s.seg.index, s.seg.start, s.seg.end, s.master, s.exp_avg, s.exp_avg_sq)
-                             for s in self.cpu]  # fmt: skip
-            self.pipeline = HostPipeline(self.locals, self.group_of, host_segments, chunk_bytes, self.device,
-                                         num_threads, self.precision)  # fmt: skip
-            weakref.finalize(self, self.pipeline.close)
-        summary_ = summary(self, ratio, placement)
-        log.info("TwinFlowAdam split: %s", summary_)
-        return summary_
+        self.fully_cpu = {i for i in self.planned if self.host is not None and self.host.holds(i)
+                          and not self.device_state.holds(i)}  # fmt: skip
+        return pieces
+
+    def sides(self, i: int) -> list[HostState | device_side.DeviceState]:
+        """The state owners holding part of parameter i (none for a frozen one)."""
+        return [s for s in (self.host, self.device_state) if s is not None and s.holds(i)]
 
     def check_settled(self, unbuilt_ok: bool = False) -> None:
         """Raises unless the state exists (`unbuilt_ok`: a load before ratio='auto' builds it waits for the
@@ -138,110 +169,46 @@ class SplitState:
         return any(p.requires_grad and i not in self.planned for i, p in enumerate(self.params))
 
     def take_over(self, old: SplitState) -> None:
-        """After a rebuild: every parameter `old` stepped keeps its state here; `old` is closed."""
+        """After a rebuild: every parameter `old` stepped keeps its state here."""
         kept = {old.params[i]: entry for i, entry in old.export().items()}
-        old.close()
         self.load({self.index[id(p)]: entry for p, entry in kept.items()})
 
-    def close(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
-            self.pipeline = None
+    def settle(self) -> None:
+        """Every update taken so far, a delayed one included, is in the weights (no step half done)."""
+        if not self.step_open:
+            self.writer.settle()
 
-    # ------------------------------------------------------------------- a step
-    def open(self, args: StepArgs | None, speculative: bool = False) -> None:
-        """A step's first gradient is about to go down (`args`: the worker may start at once)."""
-        self.pipeline.open(args, speculative)  # waits for the last step's writes: the masters are settled
-        self.absorb_edits(during_step=True)  # before any gradient lands: the worker has not started on this step
-        refresh_moved_masters(self)
+    def settle_state(self) -> None:
+        """Every update taken so far is in the masters and moments (a delayed one's weights may be pending)."""
+        self.writer.quiesce()
 
-    def with_grad(self, streamed: set[int]) -> list[int]:
-        """The parameters this step updates: those with a gradient, and those whose gradient already streamed.
-
-        Refuses (before anything is stepped) a gradient on a parameter frozen when the split was made, and
-        sparse gradients; then sends down the CPU share's gradients not streamed yet.
-        """
-        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None or i in streamed]
-        unplanned = [i for i in with_grad if i not in self.planned]
-        if unplanned:  # only reachable under attach(): a frozen parameter was unfrozen during this iteration
-            raise RuntimeError(
-                f"parameter {unplanned[0]} has a gradient but was frozen when TwinFlowAdam split the parameters; "
-                "unfreeze parameters before the forward pass (the split is rebuilt there)"
-            )
-        for i in with_grad:
-            g = self.params[i].grad
-            if g is not None and g.is_sparse:
-                if self.pipeline is not None:
-                    self.pipeline.reset()
-                name = f" ({self.names[i]!r})" if self.names[i] else ""
-                raise TypeError(sparse_gradient_message(f"parameter {i}{name}"))
-        if self.pipeline is not None:
-            for i in with_grad:
-                if i in self.pipeline.pieces_of and not self.pipeline.downloaded(i):
-                    self.pipeline.download(i, distributed.local(self.params[i].grad))
-        return with_grad
-
-    def grads_on_device(self, streamed: set[int]) -> list[torch.Tensor]:
-        """The gradients still on the device: every one but those streamed to the host in backward."""
-        grads = [p.grad for i, p in enumerate(self.params) if i not in streamed]
-        return [distributed.local(g) for g in grads if g is not None]
-
-    def step_device(self, with_grad: list[int], groups: list[dict[str, Any]], scale: torch.Tensor | None) -> None:
-        """Launches the device side's step of `with_grad`, and counts the step of each."""
-        has_grad = set(with_grad)
-        stepped = [st for st in self.dev if st.seg.index in has_grad]
-        device_side.step(stepped, groups, self.group_of, self.locals,
-                         lambda i: distributed.local(self.params[i].grad), scale)  # fmt: skip
-        for st in stepped:
-            self.written[st.seg.index] = self.locals[st.seg.index]._version
+    def counted(self, with_grad: list[int]) -> None:
+        """A step of `with_grad` was taken: their counts move on; copies handed out before it are stale."""
         for i in with_grad:
             self.steps[i] += 1
             self.has_state[i] = True
         self.generation += 1
-        self.handed.clear()  # copies taken before this step are stale: a later write to one must not land
-
-    def settle(self) -> None:
-        """Every update taken so far, a delayed one included, is in the weights (no step half done)."""
-        if self.pipeline is not None and not self.step_open:
-            self.pipeline.settle()
-
-    def settle_state(self) -> None:
-        """Every update taken so far is in the masters and moments (a delayed one's weights may be pending)."""
-        if self.pipeline is not None:
-            self.pipeline.settle_state()
-
-    def forget_written(self, drop_pending: bool = False) -> None:
-        """Every weight counts as changed outside the optimizer: the next refresh copies them all
-        (`drop_pending`: a delayed update not applied yet is dropped, not written over the new weights)."""
-        if drop_pending and self.pipeline is not None and not self.step_open:
-            self.pipeline.finish()
-            self.pipeline.drop_late_for(set(self.pipeline.pieces_of), "were changed (weights_changed())")
-        self.written = [-1] * len(self.params)
-        if self.pipeline is not None:
-            self.pipeline.written_version.clear()
+        self.handed.clear()  # a later write to a copy taken before this step must not land
 
     # ------------------------------------------------ torch.optim's layout
     def entry(self, i: int, handed: bool = False) -> dict[str, torch.Tensor]:
         """Parameter i's state in torch.optim's layout (+ ``master`` for low precision).
 
-        Views of the live buffers where the parameter is on one side whole; a copy for the one cut in two, for
-        8-bit moments and 24-bit masters. `handed` (``opt.state``): the copies are remembered, so that an
-        in-place write to one reaches the buffers before they are next used (:meth:`absorb_edits`).
+        Views of the live buffers where the parameter is on one side whole and that side keeps float32; a
+        copy otherwise. `handed` (``opt.state``): the copies are remembered, so that an in-place write to one
+        reaches the buffers before they are next used (:meth:`absorb_edits`).
         """
-        p, states = self.locals[i], self.segments_of[i]
+        p, sides = self.locals[i], self.sides(i)
         entry, copies = {"step": torch.tensor(float(self.steps[i]))}, ["step"]
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
-            if len(states) == 1 and isinstance(getattr(states[0], key), torch.Tensor):
-                entry[key] = getattr(states[0], key).view(p.shape)
+            live = sides[0].view(i, key) if len(sides) == 1 else None
+            if live is not None:
+                entry[key] = live.view(p.shape)
                 continue
             full = torch.empty(p.numel(), dtype=torch.float32)
-            for st in states:
-                value = getattr(st, key)  # None: 8-bit moments, decoded from the pipeline's pieces
-                if value is None:
-                    value = self.pipeline.moment(i, key)
-                elif isinstance(value, compact.Master24):
-                    value = value.float()
-                full[st.seg.start : st.seg.end] = value
+            for side in sides:
+                start, end = side.range(i)
+                full[start:end] = side.read(i, key)
             entry[key] = full.view(p.shape)
             copies.append(key)
         if handed:
@@ -250,7 +217,7 @@ class SplitState:
 
     def stepped(self, i: int) -> bool:
         """Whether parameter i has state: it was stepped (or given state) and takes part in the split."""
-        return self.has_state[i] and bool(self.segments_of[i])
+        return self.has_state[i] and bool(self.sides(i))
 
     def export(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every stepped parameter's entry, by index."""
@@ -301,28 +268,31 @@ class SplitState:
             if "step" in keys:
                 flat["step"] = int(entry["step"])
         if "step" in flat:
-            self.steps[i] = flat["step"]
+            self.steps[i] = flat.pop("step")
+            if self.device_state is not None:
+                self.device_state.set_step(i, self.steps[i])
         self.has_state[i] = entry is not None
-        both = None  # 8-bit moments encode together: the one not written is kept as it is
-        if any(st.exp_avg is None for st in self.segments_of[i]) and ("exp_avg" in flat or "exp_avg_sq" in flat):
-            kept = self.entry(i) if "exp_avg" not in flat or "exp_avg_sq" not in flat else {}
-            both = [flat[k] if k in flat else kept[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")]
-        for st in self.segments_of[i]:
-            s, e = st.seg.start, st.seg.end
-            if st.exp_avg is None and both is not None:
-                self.pipeline.set_moments(i, *both)
-            for key in ("exp_avg", "exp_avg_sq") if st.exp_avg is not None else ():
-                if key in flat:
-                    target = getattr(st, key)
-                    target.copy_(flat[key][s:e]) if flat[key] is not None else target.zero_()
-            if "master" in flat and st.master.data_ptr() != p.data_ptr() + s * p.element_size():
-                st.master.copy_(flat["master"][s:e])
-            if "step" in flat and st.device_step is not None:
-                st.device_step.fill_(self.steps[i])
+        for side in self.sides(i):
+            start, end = side.range(i)
+            side.write(i, {k: v[start:end] if v is not None else None for k, v in flat.items()})
         if weights_follow and entry is not None and "master" in keys and "master" in entry:
             p.copy_(entry["master"].view(p.shape))
-        self.written[i] = p._version
+        self.versions.note(i)
         self.generation += 1
+
+    @torch.no_grad()
+    def refresh_masters(self, moved: set[int]) -> None:
+        """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps);
+        the moments stay, as in torch.optim.AdamW. Call while no kernel steps them."""
+        if self.host is not None:
+            self.host.settle(moved)  # the masters written below are the current ones
+        self.generation += bool(moved)
+        for i in moved:
+            flat = self.locals[i].view(-1)
+            for side in self.sides(i):
+                start, end = side.range(i)
+                side.write(i, {"master": flat[start:end]})
+            self.versions.note(i)
 
 
 def validated(
@@ -347,11 +317,13 @@ def validated(
         if pid not in id_to_index:
             raise ValueError(f"state dict has state for parameter {pid!r}, which none of its param groups lists")
         i = id_to_index[pid]
-        missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]
+        needed = ["step", "exp_avg", "exp_avg_sq"]
+        missing = [key for key in needed if key not in entry]
         if missing:
             raise ValueError(
-                f"state of parameter {i}: no {missing[0]!r} entry (an Adam state has step, exp_avg and "
-                "exp_avg_sq); the state dict is incomplete or not from an Adam-family optimizer"
+                f"state of parameter {i}: no {missing[0]!r} entry (parameter index {pid} of the state dict has no "
+                f"{missing[0]!r}; an Adam state needs {needed}, found {sorted(entry)}): the state dict is incomplete "
+                "or not from an Adam-family optimizer"
             )
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
             if not isinstance(entry[key], torch.Tensor):
@@ -363,17 +335,18 @@ def validated(
     return loaded
 
 
-def summary(split: SplitState, ratio: float, placement: str) -> dict[str, Any]:
+def summary(split: SplitState, ratio: float, placement: str, pinned_bytes: int, chunks: int) -> dict[str, Any]:
     """The split's figures: elements and state bytes a side, the ratio achieved, pinned bytes, chunks."""
-
-    def side(states: list[SegmentState]) -> dict[str, int]:
-        elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
-        return {"tensors": len({st.seg.index for st in states}), "elements": elements, "state_bytes": 12 * elements}
-
-    cpu, dev = side(split.cpu), side(split.dev)
-    cpu["state_precision"] = split.precision
-    if split.pipeline is not None:
-        cpu["state_bytes"] = split.pipeline.state_bytes
+    cpu_elements = sum(pc.numel for pc in split.host.pieces) if split.host is not None else 0
+    states = split.device_state.states
+    cpu = {
+        "tensors": len(split.host.span) if split.host is not None else 0,
+        "elements": cpu_elements,
+        "state_bytes": split.host.state_bytes if split.host is not None else 0,
+        "state_precision": split.precision,
+    }
+    dev_elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
+    dev = {"tensors": len(states), "elements": dev_elements, "state_bytes": 12 * dev_elements}
     total = cpu["elements"] + dev["elements"]
     return {
         "ratio_requested": ratio,
@@ -381,8 +354,8 @@ def summary(split: SplitState, ratio: float, placement: str) -> dict[str, Any]:
         "placement": placement,
         "cpu": cpu,
         "device": dev | {"device": str(split.device)},
-        "pinned_bytes": split.pipeline.pinned_bytes if split.pipeline else 0,
-        "chunks": len(split.pipeline.chunks) if split.pipeline else 0,
+        "pinned_bytes": pinned_bytes,
+        "chunks": chunks,
     }
 
 
@@ -408,26 +381,3 @@ def check_params(locals_: list[torch.Tensor], names: list[str | None], group_of:
             )
         if not p.is_contiguous():
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
-
-
-@torch.no_grad()
-def refresh_moved_masters(split: SplitState) -> None:
-    """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps).
-
-    A parameter's version counter moves with every in-place write; after its own writes the optimizer notes
-    the count, so a higher one means someone else wrote. Its moments stay, as in torch.optim.AdamW.
-    """
-    written = split.pipeline.written_version if split.pipeline is not None else {}
-    moved = {i for i, p in enumerate(split.locals) if p._version > max(split.written[i], written.get(i, -1))}
-    if moved and split.pipeline is not None:
-        split.pipeline.drop_late_for(moved)  # a delayed update must not overwrite the new weights
-        split.pipeline.unflip(moved)  # the masters written below are the current ones
-    split.generation += bool(moved)
-    for i in moved:
-        p = split.locals[i]
-        flat = p.view(-1)
-        for st in split.segments_of[i]:
-            piece = flat[st.seg.start : st.seg.end]
-            if st.master.data_ptr() != piece.data_ptr():  # an fp32 device-side master is the weight
-                st.master.copy_(piece)
-        split.written[i] = p._version
