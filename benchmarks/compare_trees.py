@@ -62,6 +62,12 @@ def main() -> None:
     parser.add_argument("--after", required=True, type=Path, help="the new checkout")
     parser.add_argument("--systems", nargs="+", required=True)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--first",
+        choices=("before", "after"),
+        default="before",
+        help="the tree that goes first for the first system (a second call: the other)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.03, help="after/before within 1 +- this")
     parser.add_argument("--out", default=None)
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to bench_train.py")
@@ -71,7 +77,8 @@ def main() -> None:
     runs: list[dict] = []
     for rnd in range(args.rounds):
         for n, system in enumerate(args.systems):
-            order = ("before", "after") if (n + rnd) % 2 == 0 else ("after", "before")
+            flip = (n + rnd + (args.first == "after")) % 2
+            order = ("after", "before") if flip else ("before", "after")
             for side in order:
                 row = run_one(trees[side], side, system, extra)
                 runs.append({"round": rnd, "side": side, **row})
