@@ -142,6 +142,38 @@ def test_a_missing_optimizer_state_key_names_the_parameter_and_changes_nothing(
     assert [g["lr"] for g in target_opt.param_groups] == [3e-3]
 
 
+@pytest.mark.parametrize("damage", ["empty", "step_str"])
+def test_a_damaged_twinflow_entry_is_refused_and_changes_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                  damage: str) -> None:  # fmt: skip
+    """An entry without Adam's keys would load into TwinFlowAdam as a fresh parameter (torch's rule for state of
+    the user's own), and a step count that is not a number used to fail half-way through the load."""
+
+    def step(model, opt) -> None:
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, _, _ = build()
+    opt = make_optimizer("twinflow", model, lr=1e-2)
+    step(model, opt)
+    state = opt.state_dict()
+    if damage == "empty":
+        state["state"][1] = {}
+    else:
+        state["state"][1]["step"] = "3"
+    monkeypatch.setattr(opt, "state_dict", lambda: state)
+    save_checkpoint(tmp_path, "t", model=model, optimizer=opt)
+
+    target, _, _ = build(seed=7)
+    target_opt = make_optimizer("twinflow", target, lr=3e-3)
+    step(target, target_opt)
+    before = [{k: v.clone() for k, v in target.state_dict().items()}, target_opt.state_dict(), None]
+    with pytest.raises(CheckpointError, match="parameter index 1") as caught:
+        load_checkpoint(tmp_path, model=target, optimizer=target_opt)
+    assert "load another tag" in str(caught.value)
+    assert_unchanged(before, [target.state_dict(), target_opt.state_dict(), None])
+
+
 # ------------------------------------------------------------- 7: size or hash mismatch
 
 

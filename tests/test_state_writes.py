@@ -510,3 +510,22 @@ def test_a_state_dict_loaded_before_ratio_auto_decides_is_applied_when_it_builds
     run(resumed, auto, data[3:])
     assert auto.ratio is not None and float(auto.state[next(iter(resumed.parameters()))]["step"]) == 6.0
     assert_weights_close(resumed, ours)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_an_edited_copy_does_not_hide_an_outside_weight_write(precision: str) -> None:
+    """An in-place write to an opt.state copy reaches the buffers at the next step; a weight written outside the
+    optimizer in between must still be seen (its master follows, as for AdamW, whose parameter is the weight)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-3, ratio=0.5, state_precision=precision, weight_decay=0.0)
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    w = model.weight
+    opt.state[w]["exp_avg"].mul_(2)  # the weight is cut by the ratio: its moments are a copy
+    with torch.no_grad():
+        w.fill_(3.0)
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    torch.testing.assert_close(w.float(), torch.full((8, 8), 3.0), rtol=0, atol=0.02)

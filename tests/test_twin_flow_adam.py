@@ -353,3 +353,80 @@ def test_load_state_dict_names_the_parameter_and_the_missing_entry_before_changi
     with pytest.raises(ValueError, match=rf"parameter 1: no '{key}' entry"):
         opt.load_state_dict(saved)
     assert opt.param_groups[0]["lr"] == 1e-3  # nothing changed
+
+
+@pytest.mark.parametrize("step", ["3", [3], -1, 2.5, float("nan"), float("inf"), torch.tensor([1.0, 2.0])])
+def test_load_state_dict_refuses_a_bad_step_count_before_changing_anything(step: object) -> None:
+    params = [torch.nn.Parameter(torch.randn(16, 4)), torch.nn.Parameter(torch.randn(9))]
+    opt = TwinFlowAdam(params, lr=1e-3, ratio=0.5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    saved = opt.state_dict()
+    saved["state"][0]["exp_avg"] = torch.full_like(saved["state"][0]["exp_avg"], 7.0)  # loaded before the bad one
+    saved["state"][1]["step"] = step
+    saved["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match="state of parameter 1: step is .*expected a whole number >= 0"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-3
+    for i, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, before[i][key]), (i, key)
+
+
+def test_a_dropped_optimizer_is_freed_at_once_and_its_worker_ends() -> None:
+    """Nothing of the optimizer's points back at it: dropping the last reference frees its state and pinned
+    buffers and ends its worker thread, without waiting for a garbage collection."""
+    import gc
+    import threading
+    import weakref
+
+    def workers() -> int:
+        return sum(t.name == "twinflow-cpu-adam" and t.is_alive() for t in threading.enumerate())
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = workers()
+        model = make_model("cpu")
+        opt = TwinFlowAdam(model.parameters(), ratio=0.5, chunk_bytes=1024)
+        model(torch.randn(4, 24)).sum().backward()
+        opt.step()
+        assert workers() == before + 1
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None
+        assert workers() == before
+    finally:
+        gc.enable()
+
+
+def test_settings_changed_between_steps_take_effect_from_the_next_step() -> None:
+    """As before the redesign, the settings are attributes a user may change between steps: a delay set after
+    one exact step delays the next, exactly as an optimizer built with it."""
+    runs = []
+    for late in (True, False):
+        model = make_model("cpu", seed=3)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=1.0, chunk_bytes=1024,
+                           delay_after=None if late else 1)  # fmt: skip
+        gen = torch.Generator().manual_seed(5)
+        for step in range(3):
+            if late and step == 1:
+                opt.delay_after = 1
+            before = [p.detach().clone() for p in model.parameters()]
+            model(torch.randn(4, 24, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            assert moved == (step != 1), step  # delayed from step 1 on: step 2 applies step 1's update
+        assert opt.delay_after == 1 and opt.coordinator.host.late_pending
+        opt.synchronize()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="chunk_bytes=3"):
+        opt.chunk_bytes = 3
+    with pytest.raises(ValueError, match="delay_after=-1"):
+        opt.delay_after = -1
+    assert opt.chunk_bytes == 1024 and opt.delay_after == 1

@@ -281,9 +281,10 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
 
     Runs before the optimizer sees the state: some optimizers (torch's among
     them) would change their groups before failing on a missing key, or fail
-    only at the next step. TwinFlowAdam's own ``load_state_dict`` checks its
-    entries before changing anything: only the state dict's shape is checked
-    here for it.
+    only at the next step. TwinFlowAdam's own ``load_state_dict`` also checks
+    before changing anything, but as torch does it takes an entry without
+    Adam's keys for state of the user's own (a fresh parameter); in a
+    checkpoint such an entry is damage.
     """
     fix = (
         "The checkpoint is damaged or was saved with another optimizer: load another tag, or build the optimizer "
@@ -298,8 +299,6 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, wh
         raise CheckpointError(
             f"{where}: the optimizer state's 'param_groups' is not a list of groups with 'params'. {fix}"
         )
-    if isinstance(optimizer, TwinFlowAdam):
-        return  # its load_state_dict checks every entry, naming the parameter and key, before anything changes
     group_of = {pid: gi for gi, g in enumerate(groups) for pid in g["params"]}
     params: dict[Any, torch.Tensor] = {}  # saved index -> this optimizer's parameter, where the groups line up
     if len(groups) == len(optimizer.param_groups):

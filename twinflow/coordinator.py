@@ -74,18 +74,19 @@ class Settings:
     num_threads: int | None
     max_grad_norm: float | None
     delay_after: int | None
-    precision: str
+    state_precision: str
+    speculate: bool
 
 
 class StepCoordinator:
     """Builds the split, opens, seals and ends each step; the hooks' and the optimizer's one contact."""
 
-    def __init__(self, groups: Callable[[], list[dict]], settings: Settings, speculate: bool) -> None:
+    def __init__(self, groups: Callable[[], list[dict]], settings: Settings) -> None:
         self.groups, self.settings = groups, settings
-        self.split = SplitState(groups(), settings.precision)
+        self.split = SplitState(groups(), settings.state_precision)
         self.host: HostSide | NoHost = NO_HOST
         self.scale = StepScale(self.split.device, self.split.mesh_group)
-        self.speculation = SpeculationPolicy(speculate, settings.max_grad_norm, settings.precision,
+        self.speculation = SpeculationPolicy(settings.speculate, settings.max_grad_norm, settings.state_precision,
                                              settings.delay_after)  # fmt: skip
         self.notes: GradNotes = NoNotes()
         self.on_build: list[Callable[[], None]] = []  # called after every build (the optimizer's state map, hooks)
@@ -122,17 +123,20 @@ class StepCoordinator:
         if self.ratio is None or old.step_open or not (self.groups_added or old.needs_rebuild()):
             return False
         self.synchronize()
-        self.split, self.groups_added = SplitState(self.groups(), self.settings.precision), False
+        self.split, self.groups_added = SplitState(self.groups(), self.settings.state_precision), False
         self.scale.mesh_group = self.split.mesh_group
         self.build(self.ratio)
         self.split.take_over(old)  # reads the old state before its CPU side closes
         old_host.close()
         return True
 
-    def set_max_grad_norm(self, value: float | None) -> None:
-        """Clipping from the next step on (the speculation policy follows)."""
-        self.settings = dataclasses.replace(self.settings, max_grad_norm=value)
-        self.speculation.max_grad_norm = value
+    def update(self, **changes: Any) -> None:
+        """New settings from the next step on (the layout ones from the next build); the speculation policy
+        follows."""
+        self.settings = s = dataclasses.replace(self.settings, **changes)
+        policy = self.speculation
+        policy.asked, policy.max_grad_norm, policy.delay_after = s.speculate, s.max_grad_norm, s.delay_after
+        policy.precision = s.state_precision
 
     def attach(self, notes: GradNotes) -> None:
         self.notes = notes

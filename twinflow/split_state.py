@@ -11,6 +11,7 @@ per-parameter layout and back; nobody else reads those tensors.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Protocol
 
@@ -277,7 +278,7 @@ class SplitState:
             side.write(i, {k: v[start:end] if v is not None else None for k, v in flat.items()})
         if weights_follow and entry is not None and "master" in keys and "master" in entry:
             p.copy_(entry["master"].view(p.shape))
-        self.versions.note(i)
+            self.versions.note(i)  # our own write; noted only then, or an outside write before it would hide
         self.generation += 1
 
     @torch.no_grad()
@@ -325,6 +326,12 @@ def validated(
                 f"{missing[0]!r}; an Adam state needs {needed}, found {sorted(entry)}): the state dict is incomplete "
                 "or not from an Adam-family optimizer"
             )
+        step = entry["step"]
+        count = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        whole = isinstance(count, int | float) and not isinstance(count, bool) and math.isfinite(count)
+        if not (whole and count >= 0 and count == int(count)):
+            raise ValueError(f"state of parameter {i}: step is {step!r}; expected a whole number >= 0 (a Python "
+                             "number or a one-element tensor)")  # fmt: skip
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in entry else ()):
             if not isinstance(entry[key], torch.Tensor):
                 raise TypeError(f"state of parameter {i}: {key} is a {type(entry[key]).__name__}; expected a tensor")

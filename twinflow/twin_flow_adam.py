@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,24 @@ from twinflow.step_scale import check_max_grad_norm
 from twinflow.tune import IterationProbe, explain
 
 log = logging.getLogger(__name__)
+
+
+def _checked(check: Callable[[Any], object], value: Any) -> Any:
+    check(value)
+    return value
+
+
+def _setting(name: str, check: Callable[[Any], object] = lambda v: None, convert: Callable = lambda v: v) -> property:
+    """A setting of the coordinator's, read and (checked) written through the optimizer."""
+
+    def get(opt: TwinFlowAdam) -> Any:
+        return getattr(opt.coordinator.settings, name)
+
+    def put(opt: TwinFlowAdam, value: Any) -> None:
+        check(value)
+        opt.coordinator.update(**{name: convert(value)})
+
+    return property(get, put, doc=f"The ``{name}`` the coming steps use (settable between steps).")
 
 
 class TwinFlowAdam(torch.optim.Optimizer):
@@ -88,18 +107,15 @@ class TwinFlowAdam(torch.optim.Optimizer):
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         self.auto_ratio = ratio == "auto"
         self.ratio = None if self.auto_ratio else check_ratio(ratio)
-        self.placement = check_placement(placement)
-        self.state_precision = check_state_precision(state_precision)
-        check_chunk_bytes(chunk_bytes)
-        check_max_grad_norm(max_grad_norm)
-        check_delay_after(delay_after)
+        settings = Settings(check_placement(placement), _checked(check_chunk_bytes, chunk_bytes), num_threads,
+                            _checked(check_max_grad_norm, max_grad_norm), _checked(check_delay_after, delay_after),
+                            check_state_precision(state_precision), bool(speculate))  # fmt: skip
         super().__init__(params, defaults)
-        self.chunk_bytes, self.num_threads = chunk_bytes, num_threads
-        self.delay_after, self.speculate = delay_after, bool(speculate)
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
-        settings = Settings(self.placement, chunk_bytes, num_threads, max_grad_norm, delay_after, self.state_precision)
-        self.coordinator = StepCoordinator(lambda: self.param_groups, settings, self.speculate)
-        self.coordinator.on_build.append(self._built)
+        # The coordinator reaches the optimizer only weakly: a dropped optimizer is freed (its worker closed) at once.
+        this = weakref.ref(self)
+        self.coordinator = StepCoordinator(lambda: this().param_groups, settings)
+        self.coordinator.on_build.append(lambda: this().split_built())
         self.split_summary: dict[str, Any] | None = None
         self._states.bind(self.coordinator.split)  # its index tells parameters from other keys before 'auto' builds
         self.device = self.coordinator.split.device
@@ -113,7 +129,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         elif self.coordinator.split.params:
             ops.load()  # 'auto' probes the kernel at the first step: build it now, outside any timed step
 
-    def _built(self) -> None:
+    def split_built(self) -> None:
         """After every build of the split (construction, ratio='auto', a rebuild): the state map, a pending
         load and the hooks follow the new split."""
         self.split_summary = self.coordinator.summary | {"ratio_requested": "auto" if self.auto_ratio else self.ratio}
@@ -128,15 +144,14 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if hasattr(self, "coordinator"):  # torch's __init__ adds the first groups before the coordinator exists
             self.coordinator.groups_added = True
 
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The norm every step's gradients are clipped to (None: no clipping); may be changed between steps."""
-        return self.coordinator.settings.max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float | None) -> None:
-        check_max_grad_norm(value)
-        self.coordinator.set_max_grad_norm(value)
+    # Settings may be changed between steps, as before: the coordinator re-resolves its plan from them.
+    placement = _setting("placement", check_placement)
+    chunk_bytes = _setting("chunk_bytes", check_chunk_bytes)
+    num_threads = _setting("num_threads")
+    max_grad_norm = _setting("max_grad_norm", check_max_grad_norm)
+    delay_after = _setting("delay_after", check_delay_after)
+    state_precision = _setting("state_precision", check_state_precision)
+    speculate = _setting("speculate", convert=bool)
 
     @property
     def attached(self) -> bool:
