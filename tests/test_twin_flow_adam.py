@@ -340,13 +340,19 @@ def test_device_side_upcast_in_small_pieces_changes_nothing(monkeypatch: pytest.
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
-def test_load_state_dict_names_the_parameter_and_the_missing_entry_before_changing_anything(key: str) -> None:
+def stepped_once() -> TwinFlowAdam:
+    """An optimizer of two parameters (the second cut by the ratio) after one step."""
     params = [torch.nn.Parameter(torch.randn(16, 4)), torch.nn.Parameter(torch.randn(9))]
     opt = TwinFlowAdam(params, lr=1e-3, ratio=0.5)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("key", ["step", "exp_avg", "exp_avg_sq"])
+def test_load_state_dict_names_the_parameter_and_the_missing_entry_before_changing_anything(key: str) -> None:
+    opt = stepped_once()
     saved = opt.state_dict()
     del saved["state"][1][key]
     saved["param_groups"][0]["lr"] = 0.5
@@ -357,11 +363,7 @@ def test_load_state_dict_names_the_parameter_and_the_missing_entry_before_changi
 
 @pytest.mark.parametrize("step", ["3", [3], -1, 2.5, float("nan"), float("inf"), torch.tensor([1.0, 2.0])])
 def test_load_state_dict_refuses_a_bad_step_count_before_changing_anything(step: object) -> None:
-    params = [torch.nn.Parameter(torch.randn(16, 4)), torch.nn.Parameter(torch.randn(9))]
-    opt = TwinFlowAdam(params, lr=1e-3, ratio=0.5)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
+    opt = stepped_once()
     before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
     saved = opt.state_dict()
     saved["state"][0]["exp_avg"] = torch.full_like(saved["state"][0]["exp_avg"], 7.0)  # loaded before the bad one
