@@ -1,0 +1,59 @@
+"""The device form of 24-bit masters (weight rounded to the nearest + a signed residual), over every pattern."""
+
+import pytest
+import torch
+
+from twinflow import compact, weight_master
+
+
+def all_masters(part: int, parts: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every 24-bit pattern, in `parts` slices: (hi, lo) of slice `part`."""
+    n = (1 << 24) // parts
+    m24 = torch.arange(part * n, (part + 1) * n, dtype=torch.int64)
+    hi = (m24 >> 8).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    return hi, (m24 & 0xFF).to(torch.uint8)
+
+
+@pytest.mark.parametrize("part", range(16))
+def test_every_master_round_trips_and_its_weight_is_the_nearest(part: int) -> None:
+    hi, lo = all_masters(part)
+    master = compact.decode_master(hi, lo)
+    weight, residual = weight_master.split(hi, lo)
+    assert weight.dtype == torch.bfloat16 and residual.dtype == torch.int8
+    back_hi, back_lo = weight_master.join(weight, residual)
+    finite = torch.isfinite(master)
+    large = master.abs() > torch.finfo(torch.bfloat16).max  # beyond the largest finite weight: held below it
+    exact = finite & ~large
+    # the same 24-bit value, bit for bit, and decode agrees with the CPU form's
+    assert torch.equal(back_hi.view(torch.int16)[exact], hi.view(torch.int16)[exact])
+    assert torch.equal(back_lo[exact], lo[exact])
+    decoded = weight_master.decode(weight, residual)
+    assert torch.equal(decoded.view(torch.int32)[exact], master.view(torch.int32)[exact])
+    # the weight is a nearest bfloat16: torch's own rounding (ties to even) except at ties, which go away from zero
+    nearest = master.to(torch.bfloat16)
+    tie = (lo == 0x80) & exact
+    same = exact & ~tie
+    assert torch.equal(weight.view(torch.int16)[same], nearest.view(torch.int16)[same])
+    w, m = weight.float()[tie], master[tie]
+    assert torch.all(w.abs() > m.abs()) and torch.all(torch.sign(w) == torch.sign(m))
+    # infinities stay, NaNs stay NaN, a too-large finite master keeps a finite weight
+    assert torch.equal(weight.float()[torch.isinf(master)], master[torch.isinf(master)])
+    assert torch.isnan(weight.float()[torch.isnan(master)]).all()
+    assert torch.isnan(weight_master.decode(weight, residual)[torch.isnan(master)]).all()
+    assert torch.isfinite(weight.float()[large & finite]).all()
+
+
+def test_the_residual_removes_truncations_bias_toward_zero() -> None:
+    """Weights as a truncation of their masters (the CPU form's hi) sit closer to zero by half a step on
+    average; the device form's weights are unbiased."""
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(1 << 20, generator=gen) * 0.02  # OPT's initialisation scale
+    hi, lo = compact.encode_master(master)
+    m24 = compact.decode_master(hi, lo).double()
+    step = torch.ldexp(torch.ones_like(m24), torch.frexp(m24).exponent - 8)  # a bfloat16 step in the master's binade
+    truncated = (hi.float().double().abs() - m24.abs()) / step
+    weight, _ = weight_master.split(hi, lo)
+    nearest = (weight.float().double().abs() - m24.abs()) / step
+    assert truncated.mean() < -0.45  # toward zero by about half a step
+    assert abs(nearest.mean()) < 0.01
+    assert nearest.abs().max() <= 0.5 + 1e-9
