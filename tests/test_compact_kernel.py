@@ -5,44 +5,22 @@ import math
 import pytest
 import torch
 
-from twinflow import compact, ops
+from twinflow import compact, compact_step, ops
 
 SIZES = [1, 7, 255, 256, 257, 1000, 70001]  # partial blocks, whole ones, and thread boundaries inside tensors
 F32 = torch.float32
 
 
-def consts(step: int, lr: float, beta1: float, beta2: float, eps: float, wd: float, adamw: bool, scale: float):
-    """csrc/cpu_adam.cpp make_consts: computed in double, each rounded to float32."""
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    f = lambda x: torch.tensor(x, dtype=F32)  # noqa: E731
-    return dict(b1=f(beta1), b2=f(beta2), omb1=f(1.0 - beta1), omb2=f(1.0 - beta2), eps=f(eps), step_size=f(lr / bc1),
-                inv_bc2_sqrt=f(1.0 / math.sqrt(bc2)), scale=f(scale), l2=f(0.0 if adamw else wd),
-                param_scale=f(1.0 - lr * wd if adamw else 1.0))  # fmt: skip
-
-
 def reference_step(p, g, state, step, index_base, hyper, scale):
-    """csrc/adam_q8.h in float32 torch operations, one at a time and in its order; `p`: float32 masters, or
-    24-bit ones (a Master24, rounded in place: the float32 value comes back)."""
+    """twinflow.compact_step's float32 torch operations, csrc/adam_q8.h one at a time and in its order (the
+    device side's compact step: the kernel must give its bits); `p`: float32 masters, or 24-bit ones (a
+    Master24, rounded in place: the float32 value comes back)."""
     if isinstance(p, compact.Master24):
         p_new, *rest = reference_step(p.float(), g, state, step, index_base, hyper, scale)
         p.hi, p.lo = compact.encode_master(p_new, compact.kernel_noise(index_base, p.numel(), step) & 0xFF)
         return (p.float(), *rest)
-    c = consts(step, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
-               hyper["adamw_mode"], scale)  # fmt: skip
-    m = compact.decode_exp_avg(state["m_codes"], state["m_scales"])
-    v = compact.decode_exp_avg_sq(state["v_codes"], state["v_scales"])
-    g = g.to(F32)
-    if scale != 1.0:
-        g = g * c["scale"]
-    if not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0:
-        g = g + c["l2"] * p
-    m_new = c["b1"] * m + c["omb1"] * g
-    v_new = c["b2"] * v + c["omb2"] * (g * g)
-    denom = compact.sqrt32(v_new) * c["inv_bc2_sqrt"] + c["eps"]
-    p_new = p * c["param_scale"]
-    p_new = p_new - c["step_size"] * (m_new / denom)
-    codes = compact.encode(m_new, v_new, compact.kernel_noise(index_base, p.numel(), step))
-    return p_new, dict(zip(("m_codes", "m_scales", "v_codes", "v_scales"), codes)), m_new, v_new
+    p_new, codes = compact_step.adam_step(p, g, state, step, index_base, hyper, scale)
+    return p_new, codes
 
 
 def fresh(n: int) -> dict:
@@ -88,7 +66,7 @@ def test_kernel_equals_the_float32_reference_bit_for_bit(simd: str, adamw_mode: 
         outs = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in SIZES]  # poisoned
         kernel_step(params, grads, states, step, bases, hyper, scale, simd, outs)
         for i in range(len(SIZES)):
-            p_new, ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, bases[i], hyper, scale)
+            p_new, ref_states[i] = reference_step(ref[i], grads[i], ref_states[i], step, bases[i], hyper, scale)
             ref[i] = ref[i] if master == "m24" else p_new
             assert torch.equal(outs[i], p_new.bfloat16())
     for i in range(len(SIZES)):
@@ -112,7 +90,7 @@ def test_extreme_scales_bit_for_bit_even_with_subnormals_flushed(simd: str) -> N
     for step in range(1, 6):
         grads = [torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4 * k for k in scales]
         for i in range(len(scales)):
-            ref[i], ref_states[i], _, _ = reference_step(ref[i], grads[i], ref_states[i], step, 0, hyper, 1.0)
+            ref[i], ref_states[i] = reference_step(ref[i], grads[i], ref_states[i], step, 0, hyper, 1.0)
         assert torch.set_flush_denormal(True) or simd == "scalar"  # x86 with SSE3: supported
         try:
             kernel_step(params, grads, states, step, [0] * len(scales), hyper, 1.0, simd, threads=1)
@@ -316,5 +294,5 @@ def test_24_bit_masters_write_float32_and_float16_copies(simd: str, out_dtype: t
         g = torch.randn(n, generator=gen)
         out = torch.full((n,), float("nan"), dtype=out_dtype)  # poisoned
         kernel_step([p], [g], [state], step, [0], hyper, 1.0, simd, outs=[out])
-        p_new, ref_state, _, _ = reference_step(ref, g, ref_state, step, 0, hyper, 1.0)
+        p_new, ref_state = reference_step(ref, g, ref_state, step, 0, hyper, 1.0)
         assert torch.equal(out, p_new.to(out_dtype)) and torch.equal(p.float(), p_new)

@@ -57,3 +57,38 @@ def test_the_residual_removes_truncations_bias_toward_zero() -> None:
     assert truncated.mean() < -0.45  # toward zero by about half a step
     assert abs(nearest.mean()) < 0.01
     assert nearest.abs().max() <= 0.5 + 1e-9
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_the_device_forms_step_is_the_cpu_kernels_bit_for_bit(simd: str, adamw_mode: bool) -> None:
+    """Masters kept as (weight, residual), stepped by twinflow.compact_step's torch operations, against the CPU
+    kernel stepping the same masters in its (hi, lo) form: the same 24-bit masters and codes after every step,
+    and the weight is the nearest bfloat16 of the master (the kernel's own output copy is the same rounding but
+    for ties, which go to even there)."""
+    from twinflow import compact_step, ops
+
+    gen = torch.Generator().manual_seed(11)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode)
+    n, base = 70001, 123
+    start = torch.randn(n, generator=gen)
+    kernel_master = compact.Master24.empty(n).copy_(start)
+    weight, residual = weight_master.split(kernel_master.hi, kernel_master.lo)
+    kernel_codes, codes = compact.fresh(n), dict(zip(compact_step.CODE_KEYS, compact.fresh(n)))
+    for step in range(1, 7):
+        grad = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(torch.bfloat16)
+        scale = 0.5 if step % 2 else 1.0
+        masters, m24 = compact.kernel_masters([kernel_master])
+        ops.adam_step_q8_(masters, [grad], *([c] for c in kernel_codes), [step], index_bases=[base],
+                          grad_scale=scale, num_threads=2, simd=simd, **m24, **hyper)  # fmt: skip
+        compact_step.step_weight_master_(weight, residual, grad, codes, step, base, hyper, scale)
+        hi, lo = weight_master.join(weight, residual)
+        assert torch.equal(hi.view(torch.int16), kernel_master.hi.view(torch.int16)), step
+        assert torch.equal(lo, kernel_master.lo), step
+        for got, want in zip(codes.values(), kernel_codes):
+            assert torch.equal(got, want), step
+        master = kernel_master.float()
+        assert torch.all(
+            (weight.float().double() - master.double()).abs()
+            <= (master.bfloat16().float() - master).abs().double() + 1e-45
+        )
+    assert codes["m_codes"].abs().max() > 100 and not torch.equal(weight.float(), start.bfloat16().float())
