@@ -19,7 +19,7 @@ def reference_step(p, g, state, step, index_base, hyper, scale):
         p_new, *rest = reference_step(p.float(), g, state, step, index_base, hyper, scale)
         p.hi, p.lo = compact.encode_master(p_new, compact.kernel_noise(index_base, p.numel(), step) & 0xFF)
         return (p.float(), *rest)
-    p_new, codes = compact_step.adam_step(p, g, state, step, index_base, hyper, scale)
+    p_new, codes, _ = compact_step.adam_step(p, g, state, step, index_base, hyper, scale)
     return p_new, codes
 
 

@@ -92,3 +92,26 @@ def test_the_device_forms_step_is_the_cpu_kernels_bit_for_bit(simd: str, adamw_m
             <= (master.bfloat16().float() - master).abs().double() + 1e-45
         )
     assert codes["m_codes"].abs().max() > 100 and not torch.equal(weight.float(), start.bfloat16().float())
+
+
+@pytest.mark.cuda
+def test_the_device_forms_step_on_cuda_is_the_same_bits_as_on_the_cpu() -> None:
+    """The torch operations give the same bits on the GPU as on the CPU (and so as the CPU kernel): state moves
+    between the sides without being rounded again."""
+    from twinflow import compact_step
+
+    gen = torch.Generator().manual_seed(12)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
+    n = 70001
+    hi, lo = compact.encode_master(torch.randn(n, generator=gen))
+    sides = {}
+    for device in ("cpu", "cuda"):
+        weight, residual = (t.to(device) for t in weight_master.split(hi, lo))
+        codes = {k: t.to(device) for k, t in zip(compact_step.CODE_KEYS, compact.fresh(n))}
+        g = torch.Generator().manual_seed(13)
+        for step in range(1, 5):
+            grad = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(torch.bfloat16).to(device)
+            compact_step.step_weight_master_(weight, residual, grad, codes, step, 5, hyper, 0.5 if step % 2 else 1.0)
+        sides[device] = [weight.view(torch.int16).cpu(), residual.cpu()] + [t.cpu() for t in codes.values()]
+    for a, b in zip(sides["cpu"], sides["cuda"]):
+        assert torch.equal(a, b)

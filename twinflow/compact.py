@@ -130,7 +130,7 @@ def key(step: int) -> int:
 
 def _block_max(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
-    padded = torch.zeros(blocks(n) * BLOCK, dtype=_F32)
+    padded = x.new_zeros(blocks(n) * BLOCK, dtype=_F32)
     padded[:n] = x
     return padded.view(-1, BLOCK).amax(dim=1)
 
@@ -156,7 +156,7 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor 
     random bits per element (the kernel's: :func:`kernel_noise`), else to the nearest code (as a load does)."""
     m, v = exp_avg.reshape(-1).to(_F32), exp_avg_sq.reshape(-1).to(_F32)
     n = m.numel()
-    h = noise if noise is not None else torch.full((n,), 0x80008000, dtype=torch.int64)
+    h = noise if noise is not None else torch.full((n,), 0x80008000, dtype=torch.int64, device=m.device)
     scale_m, scale_v = _field(_block_max(m.abs()), TOP_FIELD_M), _field(_block_max(v), TOP_FIELD_V)
     a = _encode(m.abs(), h & 0xFFFF, block_shift(scale_m, n, TOP_FIELD_M), 127)
     codes_m = torch.where(torch.signbit(m), -a, a)
@@ -165,9 +165,9 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor 
     return codes_m.to(torch.int8), scale_m, codes_v.to(torch.uint8), scale_v
 
 
-def kernel_noise(index_base: int, numel: int, step: int) -> torch.Tensor:
+def kernel_noise(index_base: int, numel: int, step: int, device: torch.device | None = None) -> torch.Tensor:
     """The noise the kernel rounds a tensor's moments with at `step` (index_base: its first element's index)."""
-    index = (torch.arange(numel, dtype=torch.int64) + index_base) & _M32
+    index = (torch.arange(numel, dtype=torch.int64, device=device) + index_base) & _M32
     return hash32(index, key(step))
 
 

@@ -31,10 +31,18 @@ def constants(step: int, hyper: dict, scale: float, device: torch.device | None 
     return {k: torch.tensor(v, dtype=F32, device=device) for k, v in values.items()}
 
 
-def adam_step(master: torch.Tensor, grad: torch.Tensor, codes: dict[str, torch.Tensor], step: int, index_base: int,
-              hyper: dict, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def adam_step(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    codes: dict[str, torch.Tensor],
+    step: int,
+    index_base: int,
+    hyper: dict,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """One step of float32 `master` (not written) with 8-bit moments `codes`: returns the new master (float32,
-    before any rounding to 24 bits) and the new codes. `index_base`: the first element's index (the noise's)."""
+    before any rounding to 24 bits), the new codes, and the step's rounding noise (32 bits per element; its low
+    8 round a 24-bit master). `index_base`: the first element's index (the noise's)."""
     c = constants(step, hyper, scale, master.device)
     m = compact.decode_exp_avg(codes["m_codes"], codes["m_scales"])
     v = compact.decode_exp_avg_sq(codes["v_codes"], codes["v_scales"])
@@ -48,8 +56,8 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, codes: dict[str, torch.T
     denom = compact.sqrt32(v_new) * c["inv_bc2_sqrt"] + c["eps"]
     p_new = master * c["param_scale"]
     p_new = p_new - c["step_size"] * (m_new / denom)
-    encoded = compact.encode(m_new, v_new, compact.kernel_noise(index_base, master.numel(), step))
-    return p_new, dict(zip(CODE_KEYS, encoded))
+    noise = compact.kernel_noise(index_base, master.numel(), step, master.device)
+    return p_new, dict(zip(CODE_KEYS, compact.encode(m_new, v_new, noise))), noise
 
 
 @torch.no_grad()
@@ -60,8 +68,8 @@ def step_weight_master_(weight: torch.Tensor, residual: torch.Tensor, grad: torc
     new master is rounded to 24 bits with the kernel's noise, then split into the weight (the nearest) and the
     residual. The same bits as the CPU kernel on the same masters in its (hi, lo) form."""
     master = weight_master.decode(weight, residual)
-    p_new, encoded = adam_step(master, grad, codes, step, index_base, hyper, scale)
-    hi, lo = compact.encode_master(p_new, compact.kernel_noise(index_base, master.numel(), step) & 0xFF)
+    p_new, encoded, noise = adam_step(master, grad, codes, step, index_base, hyper, scale)
+    hi, lo = compact.encode_master(p_new, noise & 0xFF)
     new_weight, new_residual = weight_master.split(hi, lo)
     weight.copy_(new_weight)
     residual.copy_(new_residual)
