@@ -64,6 +64,24 @@ def main() -> None:
         compiled(weight, residual, grad, codes, step, 0, hyper)
 
     variants["compiled"] = fused
+    # one step from the same state by each: does the compiled step keep the eager (the CPU kernel's) bits?
+    state = [weight, residual, *codes.values()]
+    start = [t.clone() for t in state]
+    after = {}
+    for name, fn in variants.items():
+        for t, s0 in zip(state, start):
+            t.copy_(s0)
+        try:
+            fn()
+            after[name] = [t.clone() for t in state]
+        except Exception as exc:
+            after[name] = None
+            print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    if after.get("compiled") is not None:
+        pairs = zip(after["eager"], after["compiled"])
+        same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs]
+        result["compiled_bit_for_bit"] = all(same)
+        print(f"compiled step bit for bit with eager: {all(same)} (weight, residual, codes: {same})", flush=True)
     for name, fn in variants.items():
         try:
             seconds = timed(fn, args.reps)
