@@ -40,6 +40,11 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=1 << 26)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--hbm-gb-s", type=float, default=3350.0, help="the GPU's memory bandwidth (H100 SXM)")
+    parser.add_argument(
+        "--no-fp-fusion",
+        action="store_true",
+        help="compile without mul+add -> fma contraction (inductor's emulate_precision_casts)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     n, dev = args.elements, torch.device("cuda")
@@ -58,6 +63,11 @@ def main() -> None:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     variants = {"eager": eager}
+    if args.no_fp_fusion:
+        import torch._inductor.config as inductor
+
+        inductor.emulate_precision_casts = True  # also keeps Triton from fusing a multiply and an add into an fma
+    result["no_fp_fusion"] = args.no_fp_fusion
     compiled = torch.compile(compact_step.step_weight_master_, dynamic=False)
 
     def fused() -> None:
