@@ -217,3 +217,43 @@ def test_the_next_forward_waits_for_the_verdicts_weights(device: str, max_norm: 
     assert host.speculative.speculated_chunks == 8 * host.chunk_count
     assert host.speculative.rollbacks == (0 if max_norm > 1 else 8)
     assert_same_run(spec, exact)
+
+
+def test_a_worker_error_in_an_abandoned_speculative_step_is_raised_once_and_training_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """zero_grad() after a speculative chunk failed: the error is raised, the step is still abandoned (its
+    speculative updates dropped), and the next iterations run as if it had been abandoned cleanly."""
+    from twinflow.host_state import HostState
+
+    runs = []
+    for fail in (False, True):
+        model = make("cpu", torch.float32, seed=2)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", chunk_bytes=1024,
+                           max_grad_norm=1e9, speculate=True).attach(model)  # fmt: skip
+        train_steps(model, opt, 1, seed=0)
+        original = HostState.step
+
+        def failing(self, *args, original=original, calls=[0], **kwargs):  # noqa: B006 (a counter of its own)
+            calls[0] += 1
+            if calls[0] == 1:
+                raise ValueError("injected")
+            return original(self, *args, **kwargs)
+
+        if fail:
+            monkeypatch.setattr(HostState, "step", failing)
+        gen = torch.Generator().manual_seed(1)
+        F.mse_loss(model(torch.randn(8, 12, generator=gen)), torch.randn(8, 12, generator=gen)).backward()
+        drain(opt)
+        if fail:
+            with pytest.raises(RuntimeError, match="CPU worker failed"):
+                opt.zero_grad()  # raises, and still abandons the step and clears the gradients
+            assert all(p.grad is None for p in model.parameters())
+            monkeypatch.setattr(HostState, "step", original)
+        else:
+            opt.zero_grad()
+        train_steps(model, opt, 2, seed=3)
+        opt.synchronize()
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert torch.equal(p, q)

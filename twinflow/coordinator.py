@@ -264,9 +264,11 @@ class StepCoordinator:
 
     def zero_grad(self) -> None:
         """Gradients already streamed for a step not taken are forgotten, with the step's multiplier."""
-        if self.split.step_open:
-            self.host.reset()
-        self.end_step()
+        try:
+            if self.split.step_open:
+                self.host.reset()
+        finally:
+            self.end_step()
 
     def synchronize(self) -> None:
         self.split.settle()
