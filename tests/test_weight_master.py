@@ -115,3 +115,25 @@ def test_the_device_forms_step_on_cuda_is_the_same_bits_as_on_the_cpu() -> None:
         sides[device] = [weight.view(torch.int16).cpu(), residual.cpu()] + [t.cpu() for t in codes.values()]
     for a, b in zip(sides["cpu"], sides["cuda"]):
         assert torch.equal(a, b)
+
+
+def test_a_tensor_multiplier_gives_the_bits_of_the_same_float() -> None:
+    """The device side clips with a coefficient it never reads on the host (a tensor): the same bits as the
+    kernel's float multiplier."""
+    from twinflow import compact_step
+
+    gen = torch.Generator().manual_seed(14)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
+    n = 5000
+    hi, lo = compact.encode_master(torch.randn(n, generator=gen))
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    results = []
+    for scale in (0.37, torch.tensor(0.37), 1.0, torch.tensor(1.0)):
+        weight, residual = weight_master.split(hi, lo)
+        codes = dict(zip(compact_step.CODE_KEYS, compact.fresh(n)))
+        compact_step.step_weight_master_(weight, residual, grad, codes, 2, 0, hyper, scale)
+        results.append([weight.view(torch.int16), residual, *codes.values()])
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(results[a], results[b]))
+    assert not torch.equal(results[0][2], results[2][2])  # the multiplier reaches the moments (the update is
+    # scale-free on a first step from zero moments, the moments are not)
