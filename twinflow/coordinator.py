@@ -20,49 +20,13 @@ import torch
 
 from twinflow import device_side, distributed
 from twinflow.grad_notes import GradNotes, NoNotes
-from twinflow.host_side import HostSide
+from twinflow.host_side import NO_HOST, HostSide, NoHost
 from twinflow.speculation import SpeculationPolicy
 from twinflow.split_state import SplitState, sparse_gradient_message, summary
 from twinflow.step_record import Phase, StepArgs
 from twinflow.step_scale import StepScale
 
 log = logging.getLogger(__name__)
-
-
-class NoHost:
-    """No CPU share: every call of the CPU side's protocol is a no-op."""
-
-    phase = Phase.IDLE
-    chunks_of: dict[int, list[int]] = {}
-    chunk_count = pinned_bytes = 0
-    last_scale = released_args = timeline = None
-    late_pending = False
-
-    def open(self, args: StepArgs | None, mode: str = "exact") -> None:
-        pass
-
-    def seal(self, args: StepArgs, scale: Callable[[], Any]) -> StepArgs:
-        return args  # the device side takes its multiplier from the step scale
-
-    def wait(self, chunk_ids: list[int]) -> None:
-        pass
-
-    def downloaded(self, i: int) -> bool:
-        return False
-
-    def finish(self) -> None:
-        pass
-
-    discard = reset = settle = close = finish
-
-    def quiesce(self, params: set[int] | None = None) -> None:
-        pass
-
-    def drop_late_for(self, moved: set[int], why: str = "") -> None:
-        pass
-
-
-NO_HOST = NoHost()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -300,3 +301,40 @@ class HostSide:
             self.timeline.append({"chunk": k, **times, "end": time.perf_counter(),
                                   "elements": sum(pc.numel for pc in pieces),
                                   **({"speculative": True} if speculative else {})})  # fmt: skip
+
+
+class NoHost:
+    """No CPU share: every call of the CPU side's protocol is a no-op (the coordinator and the split read straight
+    through it)."""
+
+    phase = Phase.IDLE
+    chunks_of: dict[int, list[int]] = {}
+    chunk_count = pinned_bytes = 0
+    last_scale = released_args = timeline = None
+    late_pending = False
+
+    def open(self, args: StepArgs | None, mode: str = "exact") -> None:
+        pass
+
+    def seal(self, args: StepArgs, scale: Callable[[], Any]) -> StepArgs:
+        return args  # the device side takes its multiplier from the step scale
+
+    def wait(self, chunk_ids: list[int]) -> None:
+        pass
+
+    def downloaded(self, i: int) -> bool:
+        return False
+
+    def finish(self) -> None:
+        pass
+
+    discard = reset = settle = close = finish
+
+    def quiesce(self, params: set[int] | None = None) -> None:
+        pass
+
+    def drop_late_for(self, moved: set[int], why: str = "") -> None:
+        pass
+
+
+NO_HOST = NoHost()

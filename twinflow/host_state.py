@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from twinflow import compact, ops
-from twinflow.staging import Piece
+from twinflow.staging import Piece, by_param
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KEYS = ("master",) + MOMENTS  # a piece's state, in the kernel's order
@@ -30,14 +30,10 @@ KEYS = ("master",) + MOMENTS  # a piece's state, in the kernel's order
 class Fp32Codec:
     """float32 masters and moments: one flat buffer each, a view per piece; an optional scratch twin."""
 
-    exact_views = True
-    speculates = True
-
     def __init__(self, total: int, pieces: list[Piece]) -> None:
         self.buffers = [torch.empty(total, dtype=torch.float32) for _ in range(3)]
         self.pieces = pieces
         self.sets = [self.slices(self.buffers)]
-        self.scratch_bytes = 0
 
     def slices(self, buffers: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         return [[b[pc.state_offset : pc.state_offset + pc.numel] for b in buffers] for pc in self.pieces]
@@ -50,9 +46,7 @@ class Fp32Codec:
         if len(self.sets) == 1:
             # zeros, not empty: every page is touched here, once, not by the first speculative kernel to write it
             # (faulting pages in from 16 threads ran it 3-4x slower on an H200 host)
-            twins = [torch.zeros_like(b) for b in self.buffers]
-            self.sets.append(self.slices(twins))
-            self.scratch_bytes = sum(t.nbytes for t in twins)
+            self.sets.append(self.slices([torch.zeros_like(b) for b in self.buffers]))
 
     def field(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the first set's `key` buffer (a view)."""
@@ -83,10 +77,6 @@ class Fp32Codec:
 
 class Int8Codec:
     """8-bit moments, per piece (codes and block scales); float32 masters, or 24-bit ones (`master24`)."""
-
-    exact_views = False
-    speculates = False
-    scratch_bytes = 0
 
     def __init__(self, total: int, pieces: list[Piece], master24: bool) -> None:
         self.master = compact.Master24.empty(total) if master24 else torch.empty(total, dtype=torch.float32)
@@ -140,24 +130,13 @@ class HostState:
         self.codec = Fp32Codec(total, pieces) if precision == "fp32" else Int8Codec(total, pieces,
                                                                                    precision == "int8_m24")  # fmt: skip
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
-        self.pieces_of: dict[int, list[Piece]] = {}
-        for pc in pieces:
-            self.pieces_of.setdefault(pc.param, []).append(pc)
+        self.pieces_of = by_param(pieces)
         self.span = {i: (pcs[0].start, pcs[-1].end, pcs[0].state_offset) for i, pcs in self.pieces_of.items()}
 
     @property
     def state_bytes(self) -> int:
         """Host memory of the masters and moments (not speculation's scratch set)."""
         return self.codec.state_bytes
-
-    @property
-    def scratch_bytes(self) -> int:
-        return self.codec.scratch_bytes
-
-    @property
-    def speculates(self) -> bool:
-        """Whether a step may go out of place (float32 state; 8-bit state steps in place only)."""
-        return self.codec.speculates
 
     def holds(self, i: int) -> bool:
         return i in self.span

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from twinflow import device_side, distributed
+from twinflow.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host_state import HostState
 from twinflow.partition import split
 from twinflow.staging import Piece, plan_pieces
@@ -25,31 +26,6 @@ from twinflow.step_record import Phase
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENTRY_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # a parameter's state in torch.optim's layout
-
-
-class Writer(Protocol):
-    """What steps the CPU share's state: the split asks it to finish before the state is read."""
-
-    phase: Phase
-
-    def settle(self) -> None: ...
-
-    def quiesce(self, params: set[int] | None = None) -> None: ...
-
-
-class NoWriter:
-    """No CPU share: nothing steps the state behind the split's back."""
-
-    phase = Phase.IDLE
-
-    def settle(self) -> None:
-        pass
-
-    def quiesce(self, params: set[int] | None = None) -> None:
-        pass
-
-
-NO_WRITER = NoWriter()
 
 
 class WeightVersions:
@@ -112,7 +88,7 @@ class SplitState:
         self.versions = WeightVersions(self.locals)
         self.host: HostState | None = None  # the CPU share's masters and moments (None: no CPU share)
         self.device_state: device_side.DeviceState | None = None  # None until build()
-        self.writer: Writer = NO_WRITER  # what steps the CPU share's state (set with the split's CPU side)
+        self.writer: HostSide | NoHost = NO_HOST  # what steps the CPU share's state: settled before it is read
         self.planned: set[int] = set()
         self.fully_cpu: set[int] = set()
 

@@ -111,6 +111,14 @@ def plan_pieces(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int
     return pieces
 
 
+def by_param(pieces: list[Piece]) -> dict[int, list[Piece]]:
+    """The pieces of each parameter, in order."""
+    grouped: dict[int, list[Piece]] = {}
+    for pc in pieces:
+        grouped.setdefault(pc.param, []).append(pc)
+    return grouped
+
+
 class Staging:
     """Owns the pinned buffers: per piece its host view (the gradient in, the weight out) in each buffer set,
     and the parameter elements it uploads to. Copies run on the download and upload streams."""
@@ -126,17 +134,15 @@ class Staging:
         self.pinned_bytes = sum(self.sizes) if streams.cuda else 0
         self.chunks = [Chunk(buf, streams.event(), streams.event()) for buf in buffers]
         self.pieces = pieces
-        self.dtypes = [weights[pc.param].dtype for pc in pieces]
         self.hosts = [view(self.chunks[pc.chunk].buffer, pc.offset, pc.numel, weights[pc.param].dtype) for pc in pieces]
         self.spares: list[torch.Tensor] | None = None
         self.targets = [weights[pc.param].view(-1)[pc.start : pc.end] for pc in pieces]
-        self.pieces_of: dict[int, list[Piece]] = {}
         for pc in pieces:
             chunk = self.chunks[pc.chunk]
             chunk.pieces.append(pc)
             if pc.param not in chunk.params:
                 chunk.params.append(pc.param)
-            self.pieces_of.setdefault(pc.param, []).append(pc)
+        self.pieces_of = by_param(pieces)
         self.chunks_of = {i: sorted({pc.chunk for pc in pcs}) for i, pcs in self.pieces_of.items()}
 
     def make_spare(self) -> None:
@@ -147,8 +153,8 @@ class Staging:
         self.pinned_bytes *= 2
         for chunk, buf in zip(self.chunks, spares):
             chunk.spare = buf
-        self.spares = [view(self.chunks[pc.chunk].spare, pc.offset, pc.numel, dt)
-                       for pc, dt in zip(self.pieces, self.dtypes)]  # fmt: skip
+        self.spares = [view(self.chunks[pc.chunk].spare, pc.offset, pc.numel, h.dtype)
+                       for pc, h in zip(self.pieces, self.hosts)]  # fmt: skip
 
     def swap_sets(self) -> None:
         """The next gradients land in the other buffer set (the delayed update's job still uses this one)."""

@@ -36,11 +36,6 @@ from twinflow.tune import IterationProbe, explain
 log = logging.getLogger(__name__)
 
 
-def _checked(check: Callable[[Any], object], value: Any) -> Any:
-    check(value)
-    return value
-
-
 def _setting(name: str, check: Callable[[Any], object] = lambda v: None, convert: Callable = lambda v: v) -> property:
     """A setting of the coordinator's, read and (checked) written through the optimizer."""
 
@@ -107,8 +102,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
         defaults = adam_defaults(lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         self.auto_ratio = ratio == "auto"
         self.ratio = None if self.auto_ratio else check_ratio(ratio)
-        settings = Settings(check_placement(placement), _checked(check_chunk_bytes, chunk_bytes), num_threads,
-                            _checked(check_max_grad_norm, max_grad_norm), _checked(check_delay_after, delay_after),
+        check_chunk_bytes(chunk_bytes)
+        check_max_grad_norm(max_grad_norm)
+        check_delay_after(delay_after)
+        settings = Settings(check_placement(placement), chunk_bytes, num_threads, max_grad_norm, delay_after,
                             check_state_precision(state_precision), bool(speculate))  # fmt: skip
         super().__init__(params, defaults)
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
