@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow import TwinFlowAdam, device_side, ops  # noqa: E402
+from twinflow import TwinFlowAdam, ops  # noqa: E402
 
 
 def opt_shapes(layers: int = 32, hidden: int = 2560, ffn: int = 10240, vocab: int = 50272, positions: int = 2050):
@@ -87,7 +87,7 @@ def measure_ratio(params: list[torch.nn.Parameter], ratio: float, chunk_bytes: i
     if states:  # the device side alone: every device-side segment, as step() launches it
         args = opt.coordinator.step_args()
         grad_of = lambda i: split.params[i].grad  # noqa: E731
-        fns["gpu"] = lambda: device_side.step(states, args.groups, split.group_of, split.locals, grad_of, None)
+        fns["gpu"] = lambda: split.device_state.step(states, args.groups, split.group_of, grad_of, None)
     t = median_interleaved(fns, rounds=rounds)
     bound = max(t.get("cpu", 0.0), t.get("gpu", 0.0))
     entry = {

@@ -158,7 +158,13 @@ inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const 
   const ireg h = V::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
   if constexpr (kM24) {
     const ireg t = m24_encode<V>(s, i, V::load(pbuf), V::iand(h, V::iset1(0xFF)));
-    if constexpr (!std::is_same_v<O, no_out_t>) {
+    if constexpr (std::is_same_v<O, bf16_t>) {
+      // The weight is the master rounded to the nearest, ties away from zero (as the device side keeps its
+      // weights, twinflow/weight_master.py): bit 0 set where the cut byte is 0x80 or more turns a tie into a
+      // value above it, which the store's round-to-nearest-even takes up in magnitude; nothing else moves.
+      const ireg tie = V::iand(V::template srl<7>(t), V::iset1(1));
+      V::store(static_cast<O*>(s.out) + i, V::from_bits(V::ior(V::template sll<8>(t), tie)));
+    } else if constexpr (!std::is_same_v<O, no_out_t>) {
       V::store(static_cast<O*>(s.out) + i, V::from_bits(V::template sll<8>(t)));  // the weight is the master's
     }
   }

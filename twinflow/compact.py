@@ -79,7 +79,8 @@ def fresh(n: int) -> list[torch.Tensor]:
 
 
 def _per_element(per_block: torch.Tensor, numel: int) -> torch.Tensor:
-    return per_block.repeat_interleave(BLOCK)[:numel]
+    # a gather, not repeat_interleave: its output's size is known from `numel`, so torch.compile keeps it fused
+    return per_block[torch.arange(numel, device=per_block.device) // BLOCK]
 
 
 def _pow2(field: torch.Tensor | int) -> torch.Tensor:
@@ -135,10 +136,11 @@ def _block_max(x: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK).amax(dim=1)
 
 
-def _field(largest: torch.Tensor, top: int) -> torch.Tensor:
-    """csrc/adam_q8.h q8_field: each block's exponent field, one higher where its largest value would round above
-    the top code."""
-    f = ((largest.view(torch.int32).to(torch.int64) & _M32) + (1 << 20)) >> 23
+def _field(largest: torch.Tensor, top: int, nearest: bool = False) -> torch.Tensor:
+    """csrc/adam_q8.h q8_field: each block's exponent field, one higher where its largest value could round above
+    the top code: stochastically (the kernel's rule: 1.875 times a power of two or more), or (`nearest`) to the
+    nearest code (1.9375 or more; so a block decoded and encoded again keeps its field and its codes)."""
+    f = ((largest.view(torch.int32).to(torch.int64) & _M32) + (1 << (19 if nearest else 20))) >> 23
     return torch.clamp(f, min=top, max=254).to(torch.uint8)
 
 
@@ -157,7 +159,9 @@ def encode(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, noise: torch.Tensor 
     m, v = exp_avg.reshape(-1).to(_F32), exp_avg_sq.reshape(-1).to(_F32)
     n = m.numel()
     h = noise if noise is not None else torch.full((n,), 0x80008000, dtype=torch.int64, device=m.device)
-    scale_m, scale_v = _field(_block_max(m.abs()), TOP_FIELD_M), _field(_block_max(v), TOP_FIELD_V)
+    nearest = noise is None
+    scale_m = _field(_block_max(m.abs()), TOP_FIELD_M, nearest)
+    scale_v = _field(_block_max(v), TOP_FIELD_V, nearest)
     a = _encode(m.abs(), h & 0xFFFF, block_shift(scale_m, n, TOP_FIELD_M), 127)
     codes_m = torch.where(torch.signbit(m), -a, a)
     # a positive v keeps at least the lowest code: zero beside a nonzero m would make the update m / eps

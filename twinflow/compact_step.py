@@ -3,8 +3,14 @@
 The CPU kernel's update (csrc/adam_q8.h), one operation at a time and in its order, with its constants
 (csrc/cpu_adam.cpp make_consts: computed in double, each rounded to float32) and its rounding noise: on the
 CPU it gives the kernel's bits exactly (tests/test_compact_kernel.py checks this on every SIMD path). It is the
-device side's step for compact state, where the master is kept as the weight plus a residual byte
-(:mod:`twinflow.weight_master`): :func:`step_weight_master_`.
+device side's step for compact state (:mod:`twinflow.device_compact`), where a bf16 parameter's master is kept
+as the weight plus a residual byte (:mod:`twinflow.weight_master`): :func:`step_weight_master_`.
+
+Every product that feeds a sum, and every quotient, is taken in float64 and rounded to float32: the same bits
+as the float32 operation (a float64 result of float32 operands, rounded once more, is the correctly rounded
+float32 one), but a compiler cannot contract the product and the sum into one fused multiply-add or replace
+the division by an approximate one, as the GPU code ``torch.compile`` generates otherwise does. So compiled
+for the GPU the step keeps the CPU kernel's bits too.
 """
 
 from __future__ import annotations
@@ -15,25 +21,68 @@ import torch
 
 from twinflow import compact, weight_master
 
-F32 = torch.float32
+F32, F64 = torch.float32, torch.float64
 CODE_KEYS = ("m_codes", "m_scales", "v_codes", "v_scales")
+CONSTANTS = ("b1", "b2", "omb1", "omb2", "eps", "step_size", "inv_bc2_sqrt", "l2", "param_scale")
+_B1, _B2, _OMB1, _OMB2, _EPS, _STEP_SIZE, _INV_BC2, _L2, _PARAM_SCALE = range(len(CONSTANTS))
+_M32 = 0xFFFFFFFF
 
 
-def constants(step: int, hyper: dict, scale: float | torch.Tensor,
-              device: torch.device | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The step's constants as the kernel computes them (in double, each rounded to float32); a tensor `scale`
-    (the device side's clipping coefficient, never read on the host) is taken as it is, in float32."""
+def constant_values(step: int, hyper: dict) -> list[float]:
+    """The step's constants (:data:`CONSTANTS`' order) as the kernel computes them, in double (each is rounded
+    to float32 when it becomes a tensor)."""
     beta1, beta2, lr, wd = hyper["beta1"], hyper["beta2"], hyper["lr"], hyper["weight_decay"]
     correct = hyper.get("bias_correction", True)
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if correct else (1.0, 1.0)
     adamw = hyper["adamw_mode"]
-    values = dict(b1=beta1, b2=beta2, omb1=1.0 - beta1, omb2=1.0 - beta2, eps=hyper["eps"], step_size=lr / bc1,
-                  inv_bc2_sqrt=1.0 / math.sqrt(bc2), l2=0.0 if adamw else wd,
-                  param_scale=1.0 - lr * wd if adamw else 1.0)  # fmt: skip
-    c = {k: torch.tensor(v, dtype=F32, device=device) for k, v in values.items()}
-    c["scale"] = scale.to(device, F32) if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=F32,
-                                                                                            device=device)  # fmt: skip
-    return c
+    return [beta1, beta2, 1.0 - beta1, 1.0 - beta2, hyper["eps"], lr / bc1, 1.0 / math.sqrt(bc2),
+            0.0 if adamw else wd, 1.0 - lr * wd if adamw else 1.0]  # fmt: skip
+
+
+def constants(step: int, hyper: dict, device: torch.device | None = None) -> torch.Tensor:
+    """:func:`constant_values` as one float32 tensor."""
+    return torch.tensor(constant_values(step, hyper), dtype=F32, device=device)
+
+
+def uses_l2(hyper: dict) -> bool:
+    """Whether the gradient gets ``weight_decay * master`` (Adam's L2 term; AdamW decays the master instead)."""
+    return not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0
+
+
+def mul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b rounded to float32, never contracted into a following addition."""
+    return (a.to(F64) * b.to(F64)).to(F32)
+
+
+def div32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b correctly rounded to float32 (a GPU's fast float32 division is not)."""
+    return (a.to(F64) / b.to(F64)).to(F32)
+
+
+def noise(index_base: torch.Tensor | int, numel: int, key: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+    """The kernel's rounding noise for `numel` elements from `index_base` under the step's `key`
+    (:func:`twinflow.compact.key`); tensors or ints alike."""
+    index = (torch.arange(numel, dtype=torch.int64, device=device) + index_base) & _M32
+    return compact.hash32(index, key)
+
+
+def update(master: torch.Tensor, grad: torch.Tensor, codes: list[torch.Tensor], c: torch.Tensor,
+           scale: torch.Tensor | None, l2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Adam's update of float32 `master` from 8-bit moments `codes` (:data:`CODE_KEYS`' order), the step's
+    constants `c` and the gradient multiplier `scale` (None: 1): (new master, new exp_avg, new exp_avg_sq), all
+    float32, before any rounding to 24 or 8 bits."""
+    m = compact.decode_exp_avg(codes[0], codes[1])
+    v = compact.decode_exp_avg_sq(codes[2], codes[3])
+    g = grad.to(F32)
+    if scale is not None:  # a multiplication by 1 keeps every bit: None skips it
+        g = g * scale.to(F32)
+    if l2:
+        g = g + mul32(c[_L2], master)
+    m_new = mul32(c[_B1], m) + mul32(c[_OMB1], g)
+    v_new = mul32(c[_B2], v) + mul32(c[_OMB2], g * g)
+    denom = mul32(compact.sqrt32(v_new), c[_INV_BC2]) + c[_EPS]
+    p_new = mul32(master, c[_PARAM_SCALE]) - mul32(c[_STEP_SIZE], div32(m_new, denom))
+    return p_new, m_new, v_new
 
 
 def adam_step(
@@ -48,21 +97,11 @@ def adam_step(
     """One step of float32 `master` (not written) with 8-bit moments `codes`: returns the new master (float32,
     before any rounding to 24 bits), the new codes, and the step's rounding noise (32 bits per element; its low
     8 round a 24-bit master). `index_base`: the first element's index (the noise's)."""
-    c = constants(step, hyper, scale, master.device)
-    m = compact.decode_exp_avg(codes["m_codes"], codes["m_scales"])
-    v = compact.decode_exp_avg_sq(codes["v_codes"], codes["v_scales"])
-    g = grad.to(F32)
-    if isinstance(scale, torch.Tensor) or scale != 1.0:  # a multiplication by 1 keeps every bit: skipped
-        g = g * c["scale"]
-    if not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0:
-        g = g + c["l2"] * master
-    m_new = c["b1"] * m + c["omb1"] * g
-    v_new = c["b2"] * v + c["omb2"] * (g * g)
-    denom = compact.sqrt32(v_new) * c["inv_bc2_sqrt"] + c["eps"]
-    p_new = master * c["param_scale"]
-    p_new = p_new - c["step_size"] * (m_new / denom)
-    noise = compact.kernel_noise(index_base, master.numel(), step, master.device)
-    return p_new, dict(zip(CODE_KEYS, compact.encode(m_new, v_new, noise))), noise
+    c = constants(step, hyper, master.device)
+    multiplier = None if not isinstance(scale, torch.Tensor) and scale == 1.0 else torch.as_tensor(scale, dtype=F32)
+    p_new, m_new, v_new = update(master, grad, [codes[k] for k in CODE_KEYS], c, multiplier, uses_l2(hyper))
+    bits = noise(index_base, master.numel(), compact.key(step), master.device)
+    return p_new, dict(zip(CODE_KEYS, compact.encode(m_new, v_new, bits))), bits
 
 
 @torch.no_grad()
@@ -73,8 +112,8 @@ def step_weight_master_(weight: torch.Tensor, residual: torch.Tensor, grad: torc
     new master is rounded to 24 bits with the kernel's noise, then split into the weight (the nearest) and the
     residual. The same bits as the CPU kernel on the same masters in its (hi, lo) form."""
     master = weight_master.decode(weight, residual)
-    p_new, encoded, noise = adam_step(master, grad, codes, step, index_base, hyper, scale)
-    hi, lo = compact.encode_master(p_new, noise & 0xFF)
+    p_new, encoded, bits = adam_step(master, grad, codes, step, index_base, hyper, scale)
+    hi, lo = compact.encode_master(p_new, bits & 0xFF)
     new_weight, new_residual = weight_master.split(hi, lo)
     weight.copy_(new_weight)
     residual.copy_(new_residual)

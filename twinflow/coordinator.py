@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from twinflow import device_side, distributed
+from twinflow import distributed
 from twinflow.grad_notes import GradNotes, NoNotes
 from twinflow.host_side import NO_HOST, HostSide, NoHost
 from twinflow.speculation import SpeculationPolicy
@@ -210,8 +210,8 @@ class StepCoordinator:
         """Launches the device side's step of `with_grad`, and counts the step of each."""
         split = self.split
         stepped = split.device_state.stepped(set(with_grad))
-        device_side.step(stepped, groups, split.group_of, split.locals,
-                         lambda i: distributed.local(split.params[i].grad), self.scale.coef)  # fmt: skip
+        split.device_state.step(stepped, groups, split.group_of, lambda i: distributed.local(split.params[i].grad),
+                                self.scale.coef)  # fmt: skip
         for st in stepped:
             split.versions.note(st.seg.index)
         split.counted(with_grad)

@@ -76,8 +76,19 @@ class DeviceState:
         if i in self.of:
             self.of[i].device_step.fill_(steps)
 
+    @property
+    def state_bytes(self) -> int:
+        """The masters and moments: 12 bytes an element (a float32 parameter's master counted, though it is the
+        parameter itself)."""
+        return 12 * sum(st.seg.numel for st in self.states)
+
     def stepped(self, with_grad: set[int]) -> list[SegmentState]:
         return [st for st in self.states if st.seg.index in with_grad]
+
+    def step(self, states: list[SegmentState], groups: list[dict[str, Any]], group_of: list[int],
+             grad_of: Callable[[int], torch.Tensor], scale: torch.Tensor | None) -> None:  # fmt: skip
+        """Launches the step of `states` (:func:`step`)."""
+        step(states, groups, group_of, self.weights, grad_of, scale)
 
 
 def step(

@@ -38,12 +38,14 @@ def check_placement(placement: object) -> str:
     return placement  # type: ignore[return-value]
 
 
-def split(numels: list[int], ratio: float, placement: str = "first") -> list[Segment]:
-    """Splits the concatenated elements so that round(ratio * total) of them step on the CPU.
+def split(numels: list[int], ratio: float, placement: str = "first", align: int = 1) -> list[Segment]:
+    """Splits the concatenated elements so that about round(ratio * total) of them step on the CPU.
 
     "first" gives the CPU the leading elements in parameter order, "last" the
     trailing ones; the tensor at the boundary is cut into two segments, so the
-    split is exact to the element. Returns the segments in parameter order.
+    split is exact to the element, or (`align` > 1) to the nearest multiple of
+    `align` elements in that tensor (compact state's blocks: an element's block
+    is then the same on either side). Returns the segments in parameter order.
     """
     ratio = check_ratio(ratio)
     check_placement(placement)
@@ -54,8 +56,18 @@ def split(numels: list[int], ratio: float, placement: str = "first") -> list[Seg
     segments: list[Segment] = []
     offset = 0
     for index, n in enumerate(numels):
-        cuts = sorted({0, n, min(max(lo - offset, 0), n), min(max(hi - offset, 0), n)})
+        inner = [_cut(lo - offset, n, align), _cut(hi - offset, n, align)]
+        lo_here, hi_here = inner  # the CPU's elements of this tensor: [lo_here, hi_here)
+        cuts = sorted({0, n, *inner})
         for a, b in zip(cuts, cuts[1:]):
-            segments.append(Segment(index, a, b, on_cpu=lo <= offset + a and offset + b <= hi))
+            segments.append(Segment(index, a, b, on_cpu=lo_here <= a and b <= hi_here))
         offset += n
     return segments
+
+
+def _cut(at: int, n: int, align: int) -> int:
+    """A boundary `at` elements into a tensor of `n`, within [0, n], at the nearest multiple of `align`."""
+    at = min(max(at, 0), n)
+    if align > 1 and 0 < at < n:
+        at = min(n, (at + align // 2) // align * align)
+    return at

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from twinflow import device_side, distributed
+from twinflow import compact, device_side, distributed, weight_master
+from twinflow.device_compact import CompactDeviceState
 from twinflow.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host_state import HostState
 from twinflow.partition import split
@@ -55,7 +56,7 @@ class SplitState:
     state: step counts here, masters and moments in one owner per side (``host``: the CPU's, ``device``)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], precision: str = "fp32") -> None:
-        self.precision = precision  # of the CPU share's state: "fp32", "int8" or "int8_m24" (twinflow.compact)
+        self.precision = precision  # of both sides' state: "fp32", "int8" or "int8_m24" (twinflow.compact)
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []
         self.index: dict[int, int] = {}  # id(parameter) -> its number
@@ -87,7 +88,7 @@ class SplitState:
         self.handed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # copies given to opt.state: their version
         self.versions = WeightVersions(self.locals)
         self.host: HostState | None = None  # the CPU share's masters and moments (None: no CPU share)
-        self.device_state: device_side.DeviceState | None = None  # None until build()
+        self.device_state: device_side.DeviceState | CompactDeviceState | None = None  # None until build()
         self.writer: HostSide | NoHost = NO_HOST  # what steps the CPU share's state: settled before it is read
         self.planned: set[int] = set()
         self.fully_cpu: set[int] = set()
@@ -106,23 +107,27 @@ class SplitState:
         # Frozen parameters take no part (no state, no hooks): with LoRA most of the model is frozen.
         self.planned = {i for i, p in enumerate(self.params) if p.requires_grad}
         numels = [p.numel() if i in self.planned else 0 for i, p in enumerate(self.locals)]
-        segments = [seg for seg in split(numels, ratio, placement) if seg.numel]
+        # compact state: every cut at a block's start, so an element's block is the same on either side
+        align = 1 if self.precision == "fp32" else compact.BLOCK
+        segments = [seg for seg in split(numels, ratio, placement, align) if seg.numel]
         cpu = [seg for seg in segments if seg.on_cpu]
         self.versions = WeightVersions(self.locals)
-        pieces = plan_pieces(cpu, [p.element_size() for p in self.locals], chunk_bytes)
+        pieces = plan_pieces(cpu, [p.element_size() for p in self.locals], chunk_bytes, align)
         self.host = HostState(pieces, self.precision) if pieces else None
         with torch.no_grad():
             if self.host is not None:
                 for seg in cpu:  # the masters from the weights; the moments fresh
                     self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end],
                                                 "exp_avg": None, "exp_avg_sq": None})  # fmt: skip
-            self.device_state = device_side.DeviceState([seg for seg in segments if not seg.on_cpu], self.locals)
+            on_device = [seg for seg in segments if not seg.on_cpu]
+            self.device_state = (device_side.DeviceState(on_device, self.locals) if self.precision == "fp32"
+                                 else CompactDeviceState(on_device, self.locals, self.precision))  # fmt: skip
         # Parameters wholly on the CPU: their device gradient may be released once it is down.
         self.fully_cpu = {i for i in self.planned if self.host is not None and self.host.holds(i)
                           and not self.device_state.holds(i)}  # fmt: skip
         return pieces
 
-    def sides(self, i: int) -> list[HostState | device_side.DeviceState]:
+    def sides(self, i: int) -> list[HostState | device_side.DeviceState | CompactDeviceState]:
         """The state owners holding part of parameter i (none for a frozen one)."""
         return [s for s in (self.host, self.device_state) if s is not None and s.holds(i)]
 
@@ -249,12 +254,20 @@ class SplitState:
             if self.device_state is not None:
                 self.device_state.set_step(i, self.steps[i])
         self.has_state[i] = entry is not None
+        followed = weights_follow and entry is not None and "master" in keys and "master" in entry
+        if followed:
+            # before the sides' writes: where the weight holds the master (compact device state), the side's
+            # write sets it again, rounded its own way
+            master = entry["master"].reshape(-1)
+            m24 = self.precision == "int8_m24" and p.dtype == torch.bfloat16  # the weight a 24-bit master has
+            p.copy_((weight_master.weight_of(master.float()) if m24 else master).view(p.shape))
         for side in self.sides(i):
             start, end = side.range(i)
             side.write(i, {k: v[start:end] if v is not None else None for k, v in flat.items()})
-        if weights_follow and entry is not None and "master" in keys and "master" in entry:
-            p.copy_(entry["master"].view(p.shape))
-            self.versions.note(i)  # our own write; noted only then, or an outside write before it would hide
+        if followed or (entry is None and self.device_state is not None and self.device_state.holds(i)):
+            # our own writes (a side that keeps the master in the weight writes it): noted only after them, and
+            # only then, or an outside write before them would hide
+            self.versions.note(i)
         self.generation += 1
 
     @torch.no_grad()
@@ -328,8 +341,9 @@ def summary(split: SplitState, ratio: float, placement: str, pinned_bytes: int, 
         "state_bytes": split.host.state_bytes if split.host is not None else 0,
         "state_precision": split.precision,
     }
-    dev_elements = sum(st.seg.numel for st in states)  # state: fp32 master, exp_avg, exp_avg_sq
-    dev = {"tensors": len(states), "elements": dev_elements, "state_bytes": 12 * dev_elements}
+    dev_elements = sum(st.seg.numel for st in states)
+    dev = {"tensors": len(states), "elements": dev_elements, "state_bytes": split.device_state.state_bytes,
+           "state_precision": split.precision}  # fmt: skip
     total = cpu["elements"] + dev["elements"]
     return {
         "ratio_requested": ratio,

@@ -70,11 +70,14 @@ def check_chunk_bytes(chunk_bytes: object) -> None:
         raise ValueError(f"chunk_bytes={chunk_bytes!r}; expected an int >= 256")
 
 
-def plan_chunks(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int) -> list[list[tuple]]:
+def plan_chunks(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int,
+                align: int = 1) -> list[list[tuple]]:  # fmt: skip
     """Packs the segments' elements, in order, into chunks of at most `chunk_bytes`.
 
     Returns per chunk a list of (segment position, a, b, byte offset): elements
-    [a, b) of the segment at `byte offset` in the chunk. Pure; deterministic.
+    [a, b) of the segment at `byte offset` in the chunk. A segment is cut only
+    at multiples of `align` elements from its start (a chunk too small for
+    `align` of them takes that many anyway). Pure; deterministic.
     """
     chunks: list[list[tuple]] = []
     current: list[tuple] = []
@@ -84,6 +87,8 @@ def plan_chunks(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int
         a, n = 0, seg.end - seg.start
         while a < n:
             room = (chunk_bytes - used) // size
+            if room < n - a:
+                room = room // align * align if current or room >= align else align
             if room <= 0:
                 chunks.append(current)
                 current, used = [], 0
@@ -97,14 +102,15 @@ def plan_chunks(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int
     return chunks
 
 
-def plan_pieces(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int) -> list[Piece]:
-    """Every piece of the CPU segments (in order; their host state laid out one segment after the other)."""
+def plan_pieces(segments: list[HasRange], itemsizes: list[int], chunk_bytes: int, align: int = 1) -> list[Piece]:
+    """Every piece of the CPU segments (in order; their host state laid out one segment after the other), cut
+    at multiples of `align` elements from each segment's start (:func:`plan_chunks`)."""
     bases, base = [], 0
     for seg in segments:
         bases.append(base)
         base += seg.end - seg.start
     pieces = []
-    for k, plan in enumerate(plan_chunks(segments, itemsizes, chunk_bytes)):
+    for k, plan in enumerate(plan_chunks(segments, itemsizes, chunk_bytes, align)):
         for pos, a, b, offset in plan:
             seg = segments[pos]
             pieces.append(Piece(len(pieces), seg.index, seg.start + a, seg.start + b, k, offset, bases[pos] + a))

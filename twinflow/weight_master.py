@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from twinflow import compact
+
 _SIGN24, _MAG24 = 0x800000, 0x7FFFFF
 _INF16, _QNAN16, _MAX16 = 0x7F80, 0x7FC0, 0x7F7F
 
@@ -58,3 +60,10 @@ def decode(weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     hi, lo = join(weight, residual)
     bits = (_patterns(hi, lo) << 8).to(torch.int32)  # int64 -> int32 wraps: the bit pattern, sign included
     return bits.view(torch.float32)
+
+
+def weight_of(master: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weight of float32 masters as a 24-bit master's weight: the master rounded to 24 bits (to the
+    nearest), then to the nearest bfloat16, ties away from zero (where torch's conversion goes to even). Both
+    sides give a bf16 parameter under "int8_m24" this weight."""
+    return split(*compact.encode_master(master))[0]

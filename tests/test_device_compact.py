@@ -1,0 +1,173 @@
+"""The device share in a compact precision (twinflow.device_compact): the same bits as the CPU share's kernel,
+state that moves between the sides (a new ratio, a state dict) unchanged, and its bytes."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twinflow import TwinFlowAdam, compact
+from twinflow.device_compact import CompactDeviceState
+from twinflow.partition import Segment
+
+
+def make(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    # sizes that are not multiples of the 256-element block, so the cuts fall inside tensors
+    model = torch.nn.Sequential(torch.nn.Linear(61, 300), torch.nn.GELU(), torch.nn.Linear(300, 9))
+    return model.to(dtype)
+
+
+def train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int = 1) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 61, generator=gen)
+        y = x[:, :9] * 0.5  # something to learn
+        x = x.to(dtype)
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.synchronize()
+    return losses
+
+
+def state_bits(opt: TwinFlowAdam) -> list[tuple[int, str, torch.Tensor]]:
+    """Every entry of the state dict, as raw bits."""
+    out = []
+    for i, entry in sorted(opt.state_dict()["state"].items()):
+        for key in sorted(entry):
+            value = entry[key]
+            out.append((i, key, value.view(torch.int32) if value.dtype == torch.float32 else value))
+    return out
+
+
+def assert_same(a_model, a_opt, b_model, b_opt) -> None:  # noqa: ANN001
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(p.view(torch.int16) if p.dtype == torch.bfloat16 else p, q.view(torch.int16)
+                           if q.dtype == torch.bfloat16 else q)  # fmt: skip
+    for (i, key, x), (j, key2, y) in zip(state_bits(a_opt), state_bits(b_opt), strict=True):
+        assert (i, key) == (j, key2) and torch.equal(x, y), (i, key)
+
+
+CASES = [(torch.bfloat16, "int8_m24"), (torch.bfloat16, "int8"), (torch.float32, "int8")]
+
+
+@pytest.mark.parametrize("dtype, precision", CASES)
+@pytest.mark.parametrize("ratio", [0.0, 0.37])
+def test_the_device_share_steps_like_the_cpu_kernel_bit_for_bit(dtype, precision, ratio) -> None:  # noqa: ANN001
+    """Ratio 1 is the CPU kernel alone; ratio 0 the device side alone (here on the CPU, eagerly); 0.37 both,
+    with a tensor cut between them. The same rounding noise per element, the same blocks and the same weight
+    rounding: every weight, master and moment is bit for bit the same."""
+    runs = []
+    for r in (1.0, ratio):
+        model = make(dtype)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, weight_decay=0.1, ratio=r, chunk_bytes=4096,
+                           state_precision=precision)  # fmt: skip
+        losses = train(model, opt, 6)
+        runs.append((model, opt, losses))
+    (cpu_model, cpu_opt, cpu_losses), (model, opt, losses) = runs
+    assert opt.split_summary["device"]["elements"] > 0 and losses[-1] < losses[0]
+    assert_same(cpu_model, cpu_opt, model, opt)
+    assert cpu_losses == losses
+
+
+@pytest.mark.parametrize("dtype, precision", CASES[:2])
+def test_resume_at_another_ratio_keeps_every_bit(dtype, precision) -> None:  # noqa: ANN001
+    """Three steps at ratio 0.3, the state dict loaded into an optimizer at ratio 0.7, three more: bit for bit
+    six steps at ratio 0.3 (the state moved across the sides without being quantised again)."""
+    straight = make(dtype)
+    straight_opt = TwinFlowAdam(straight.parameters(), lr=1e-2, ratio=0.3, state_precision=precision)
+    train(straight, straight_opt, 3)
+    train(straight, straight_opt, 3, seed=2)
+
+    first = make(dtype)
+    first_opt = TwinFlowAdam(first.parameters(), lr=1e-2, ratio=0.3, state_precision=precision)
+    train(first, first_opt, 3)
+    saved = copy.deepcopy(first_opt.state_dict())
+    second = make(dtype, seed=5)  # other weights: the masters in the state dict must set them
+    second.load_state_dict(first.state_dict())
+    second_opt = TwinFlowAdam(second.parameters(), lr=1e-2, ratio=0.7, state_precision=precision)
+    second_opt.load_state_dict(saved)
+    assert second_opt.split_summary["ratio_achieved"] > 0.6
+    train(second, second_opt, 3, seed=2)
+    assert_same(straight, straight_opt, second, second_opt)
+
+
+def test_device_state_bytes_are_three_an_element_for_bf16_under_int8_m24() -> None:
+    model = make(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.0, state_precision="int8_m24")
+    dev = opt.split_summary["device"]
+    blocks = sum(compact.blocks(p.numel()) for p in model.parameters())
+    assert dev["state_precision"] == "int8_m24"
+    assert dev["state_bytes"] == 3 * dev["elements"] + 2 * blocks
+    fp32 = TwinFlowAdam(make(torch.bfloat16).parameters(), ratio=0.0)
+    assert fp32.split_summary["device"]["state_bytes"] == 12 * dev["elements"]
+
+
+@pytest.mark.parametrize("placement", ["first", "last"])
+def test_compact_cuts_fall_on_block_starts(placement: str) -> None:
+    model = make(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.41, placement=placement, chunk_bytes=1000,
+                       state_precision="int8_m24")  # fmt: skip
+    split = opt.coordinator.split
+    for st in split.device_state.states:
+        assert st.seg.start % compact.BLOCK == 0
+    for pc in split.host.pieces:
+        assert pc.start % compact.BLOCK == 0
+    assert abs(opt.split_summary["ratio_achieved"] - 0.41) < 300 / sum(p.numel() for p in model.parameters())
+
+
+def test_opt_state_reads_and_writes_through_the_compact_device_state() -> None:
+    """An entry read decodes; a write (a new exp_avg) is encoded and read back as its nearest codes; the weight
+    follows a master written through load_state_dict."""
+    model = make(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.0, state_precision="int8_m24")
+    train(model, opt, 2)
+    p = model[0].weight
+    state = opt.state_dict()
+    entry = state["state"][0]
+    gen = torch.Generator().manual_seed(3)
+    entry["exp_avg"] = torch.randn(entry["exp_avg"].shape, generator=gen) * 1e-3
+    entry["master"] = torch.randn(entry["master"].shape, generator=gen) * 0.05
+    opt.load_state_dict(state)
+    back = opt.state_dict()["state"][0]
+    codes = compact.encode(entry["exp_avg"].reshape(-1), back["exp_avg_sq"].reshape(-1))
+    nearest = compact.decode_exp_avg(codes[0], codes[1]).view(p.shape)
+    assert torch.equal(back["exp_avg"], nearest)
+    hi, lo = compact.encode_master(entry["master"])
+    assert torch.equal(back["master"].reshape(-1), compact.decode_master(hi, lo))
+    assert (p.float() - entry["master"]).abs().max() <= entry["master"].abs().max() * 2**-8
+
+
+def _steps_on(device: torch.device, n: int, dtype: torch.dtype, precision: str, grads: list[torch.Tensor]):
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(n, generator=gen) * 0.05).to(dtype).to(device)
+    seg = Segment(0, 0, n, on_cpu=False)
+    state = CompactDeviceState([seg], [weight], precision)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True,
+                 bias_correction=True)  # fmt: skip
+    for k, g in enumerate(grads):
+        scale = torch.tensor(0.5 if k % 2 else 1.0, device=device)
+        state.step(state.states, [hyper], [0], lambda i, g=g: g.to(device), scale)
+    st = state.states[0]
+    parts = [weight] + [t for t in (st.master, st.residual) if t is not None] + st.codes
+    return [t.cpu() for t in parts]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "int8_m24"), (torch.float32, "int8")])
+def test_the_compiled_device_step_keeps_the_cpus_bits(dtype, precision) -> None:  # noqa: ANN001
+    """torch.compile's GPU code for the compact step against the same step eagerly on the CPU (itself the
+    kernel's bits): every weight, residual, code and scale after several steps."""
+    n = 3 * (1 << 16) + 77
+    gen = torch.Generator().manual_seed(8)
+    grads = [(torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(dtype) for _ in range(5)]
+    on_cpu = _steps_on(torch.device("cpu"), n, dtype, precision, grads)
+    on_gpu = _steps_on(torch.device("cuda"), n, dtype, precision, grads)
+    for a, b in zip(on_cpu, on_gpu, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -1,0 +1,235 @@
+"""The device share's optimizer state in a compact precision (``state_precision`` "int8" or "int8_m24").
+
+The moments are the CPU kernel's 8-bit codes with a scale per block of :data:`twinflow.compact.BLOCK` elements,
+the blocks counted from each segment's first element (a multiple of the block in the parameter, as the CPU's
+pieces start: :func:`twinflow.partition.split` and :func:`twinflow.staging.plan_chunks` are given the block as
+their alignment), so an element's block is the same on either side and state moves between the sides (a new
+ratio, a checkpoint) without being quantised again. The master takes one of three forms, chosen per segment
+when the state is made:
+
+- a float32 parameter is its own master;
+- a bfloat16 parameter under "int8_m24" keeps a 24-bit master as the weight itself, rounded to the nearest,
+  plus a signed residual byte (:mod:`twinflow.weight_master`): 3 bytes of state an element;
+- otherwise (bfloat16 under "int8", float16) a float32 master beside the weight.
+
+The step is :mod:`twinflow.compact_step`'s float32 operations, one pass per batch of :data:`BATCH` elements,
+compiled by ``torch.compile`` on a GPU (eager on the CPU, where tests compare it with the kernel): the same
+rounding noise as the CPU kernel, from the element's index in its parameter and the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from twinflow import compact, compact_step, weight_master
+from twinflow.partition import Segment
+
+BATCH = 1 << 24  # elements a step, a read or a write handles at once: a multiple of the block (bounded scratch)
+F32 = torch.float32
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class CompactSegment:
+    """A device-side segment's compact state; `weight` is the parameter's elements [start, end)."""
+
+    seg: Segment
+    weight: torch.Tensor
+    master: torch.Tensor | None  # float32 master beside the weight; None: the weight holds it (with `residual`)
+    residual: torch.Tensor | None  # int8: a bfloat16 weight's 24-bit master under "int8_m24"
+    codes: list[torch.Tensor] = field(default_factory=list)  # exp_avg codes, scales, exp_avg_sq codes, scales
+    count: int = 0  # steps taken: the bias correction's and the rounding noise's
+
+    def batches(self) -> list[tuple[int, int]]:
+        n = self.seg.numel
+        return [(a, min(n, a + BATCH)) for a in range(0, n, BATCH)]
+
+    def codes_of(self, a: int, b: int) -> list[torch.Tensor]:
+        """The codes and block scales of elements [a, b) (a at a block's start)."""
+        lo, hi = a // compact.BLOCK, compact.blocks(b)
+        return [self.codes[0][a:b], self.codes[1][lo:hi], self.codes[2][a:b], self.codes[3][lo:hi]]
+
+    def master_of(self, a: int, b: int) -> torch.Tensor:
+        """The float32 masters of elements [a, b) (a view where float32 is kept)."""
+        if self.residual is not None:
+            return weight_master.decode(self.weight[a:b], self.residual[a:b])
+        return (self.master if self.master is not None else self.weight)[a:b]
+
+
+def new_segment(seg: Segment, flat: torch.Tensor, precision: str) -> CompactSegment:
+    """A segment's fresh state: masters from the weights `flat` (its elements), moments zero."""
+    residual = master = None
+    if flat.dtype == torch.bfloat16 and precision == "int8_m24":
+        residual = torch.zeros(seg.numel, dtype=torch.int8, device=flat.device)  # the weight is the master
+    elif flat.dtype != F32:
+        master = flat.float()
+    codes = [t.to(flat.device) for t in compact.fresh(seg.numel)]
+    return CompactSegment(seg, flat, master, residual, codes)
+
+
+def _residual_step(weight, residual, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN202 (compiled)
+    master = weight_master.decode(weight, residual)
+    p_new, m_new, v_new = compact_step.update(master, grad, codes, c, scale, l2)
+    bits = compact_step.noise(meta[0], weight.numel(), meta[1], weight.device)
+    encoded = compact.encode(m_new, v_new, bits)
+    new_weight, new_residual = weight_master.split(*compact.encode_master(p_new, bits & 0xFF))
+    weight.copy_(new_weight)
+    residual.copy_(new_residual)
+    for target, value in zip(codes, encoded):
+        target.copy_(value)
+
+
+def _master_step(master, weight_out, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN202 (compiled)
+    p_new, m_new, v_new = compact_step.update(master, grad, codes, c, scale, l2)
+    encoded = compact.encode(m_new, v_new, compact_step.noise(meta[0], master.numel(), meta[1], master.device))
+    master.copy_(p_new)
+    if weight_out is not None:
+        weight_out.copy_(p_new)  # the weight: the master rounded to its dtype (to the nearest, ties to even)
+    for target, value in zip(codes, encoded):
+        target.copy_(value)
+
+
+def step_functions(device: torch.device) -> tuple[Callable, Callable]:
+    """The two steps (residual form, float32 master) for `device`: compiled by torch.compile on a GPU, with
+    shapes dynamic (one compilation serves every batch size); eager elsewhere."""
+    if device.type != "cuda":
+        return _residual_step, _master_step
+    return torch.compile(_residual_step, dynamic=True), torch.compile(_master_step, dynamic=True)
+
+
+class CompactDeviceState:
+    """The device side's compact masters, moments and step counts, per segment: the only owner of those tensors."""
+
+    def __init__(self, segments: list[Segment], weights: list[torch.Tensor], precision: str) -> None:
+        self.weights = weights
+        self.precision = precision
+        self.states = [new_segment(seg, weights[seg.index].view(-1)[seg.start : seg.end], precision)
+                       for seg in segments]  # fmt: skip
+        self.of = {st.seg.index: st for st in self.states}
+        device = weights[segments[0].index].device if segments else torch.device("cpu")
+        self.device = device
+        self.residual_step, self.master_step = step_functions(device)
+
+    @property
+    def state_bytes(self) -> int:
+        """Device memory of the masters beside the weights, the residuals and the moments."""
+        return sum((st.master.nbytes if st.master is not None else 0)
+                   + (st.residual.nbytes if st.residual is not None else 0)
+                   + sum(t.nbytes for t in st.codes) for st in self.states)  # fmt: skip
+
+    def holds(self, i: int) -> bool:
+        return i in self.of
+
+    def range(self, i: int) -> tuple[int, int]:
+        """The elements [start, end) of parameter i that step on the device."""
+        seg = self.of[i].seg
+        return seg.start, seg.end
+
+    def view(self, i: int, key: str) -> torch.Tensor | None:
+        """A live float32 view of parameter i's device elements of `key`, where one is kept (a float32 master),
+        else None."""
+        st = self.of[i]
+        if key != "master" or st.residual is not None:
+            return None
+        return st.master if st.master is not None else st.weight
+
+    def master_is_weight(self, i: int) -> bool:
+        st = self.of[i]
+        return st.master is None and st.residual is None
+
+    @torch.no_grad()
+    def read(self, i: int, key: str) -> torch.Tensor:
+        """A float32 copy, in host memory, of parameter i's device elements of `key`, decoded a batch at a time
+        (the device holds one batch of float32 at most)."""
+        st = self.of[i]
+        out = torch.empty(st.seg.numel, dtype=F32)
+        for a, b in st.batches():
+            codes = st.codes_of(a, b)
+            if key == "master":
+                part = st.master_of(a, b)
+            elif key == "exp_avg":
+                part = compact.decode_exp_avg(codes[0], codes[1])
+            else:
+                part = compact.decode_exp_avg_sq(codes[2], codes[3])
+            out[a:b].copy_(part)
+        return out
+
+    @torch.no_grad()
+    def write(self, i: int, values: dict[str, torch.Tensor | None]) -> None:
+        """Sets `values` (flat over parameter i's device elements; a moment None: fresh), encoded to the nearest
+        code a batch at a time. A master also sets the weight where the weight holds it."""
+        st = self.of[i]
+        for a, b in st.batches():
+            if "master" in values and not self.master_is_weight(i):
+                master = values["master"][a:b].to(self.device, F32)
+                if st.residual is not None:
+                    weight, residual = weight_master.split(*compact.encode_master(master))
+                    st.weight[a:b].copy_(weight)
+                    st.residual[a:b].copy_(residual)
+                else:
+                    st.master[a:b].copy_(master)
+            present = [key for key in MOMENTS if key in values]
+            if not present:
+                continue
+            codes = st.codes_of(a, b)
+            if len(present) == 2 and values["exp_avg"] is None and values["exp_avg_sq"] is None:
+                for t in codes:
+                    t.zero_()
+                continue
+            both = []
+            for key in MOMENTS:
+                if key not in values:  # the moments are encoded together: the other one as it is
+                    both.append(compact.decode_exp_avg(codes[0], codes[1]) if key == "exp_avg"
+                                else compact.decode_exp_avg_sq(codes[2], codes[3]))  # fmt: skip
+                elif values[key] is None:
+                    both.append(torch.zeros(b - a, dtype=F32, device=self.device))
+                else:
+                    both.append(values[key][a:b].to(self.device, F32))
+            for target, value in zip(codes, compact.encode(*both)):
+                target.copy_(value)
+
+    def set_step(self, i: int, steps: int) -> None:
+        if i in self.of:
+            self.of[i].count = steps
+
+    def stepped(self, with_grad: set[int]) -> list[CompactSegment]:
+        return [st for st in self.states if st.seg.index in with_grad]
+
+    @torch.no_grad()
+    def step(self, states: list[CompactSegment], groups: list[dict[str, Any]], group_of: list[int],
+             grad_of: Callable[[int], torch.Tensor], scale: torch.Tensor | None) -> None:  # fmt: skip
+        """Launches the step of `states` (stream order; no host synchronisation): per param group, one copy of
+        the batches' constants and noise keys to the device, then one fused pass per batch."""
+        by_group: dict[int, list[CompactSegment]] = {}
+        for st in states:
+            by_group.setdefault(group_of[st.seg.index], []).append(st)
+        for gi, group_states in by_group.items():
+            hyper, work, consts, meta = groups[gi], [], [], []
+            for st in group_states:
+                st.count += 1
+                values, key = compact_step.constant_values(st.count, hyper), compact.key(st.count)
+                grad = grad_of(st.seg.index).reshape(-1)[st.seg.start : st.seg.end]
+                for a, b in st.batches():
+                    work.append((st, a, b, grad[a:b]))
+                    consts.append(values)
+                    meta.append([st.seg.start + a, key])
+            c_all, meta_all = self.to_device(torch.tensor(consts, dtype=F32)), self.to_device(torch.tensor(meta))
+            l2 = compact_step.uses_l2(hyper)
+            for k, (st, a, b, grad) in enumerate(work):
+                codes = st.codes_of(a, b)
+                if st.residual is not None:
+                    self.residual_step(st.weight[a:b], st.residual[a:b], grad, codes, c_all[k], scale, meta_all[k], l2)
+                else:
+                    master = st.master_of(a, b)
+                    weight_out = st.weight[a:b] if st.master is not None else None
+                    self.master_step(master, weight_out, grad, codes, c_all[k], scale, meta_all[k], l2)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the device without waiting for the device (pinned, copied asynchronously)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
