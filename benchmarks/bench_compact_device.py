@@ -1,7 +1,9 @@
-"""The device side's compact Adam step (twinflow.compact_step.step_weight_master_) on the GPU: Gparam/s, eager
-and under torch.compile, against the HBM roofline of the bytes it must move.
+"""The device side's compact Adam step (twinflow.device_compact.CompactDeviceState.step, bf16 parameters under
+"int8_m24": the weight, a residual byte and 8-bit moments) on the GPU: Gparam/s, eager and as twinflow runs it
+(torch.compile), against the HBM roofline of the bytes it must move; and whether the compiled step keeps the
+eager step's bits (which are the CPU kernel's).
 
-    python benchmarks/bench_compact_device.py --elements 67108864 --reps 5
+    python benchmarks/bench_compact_device.py --elements 268435456 --reps 5
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
-from twinflow import compact, compact_step, weight_master  # noqa: E402
+from twinflow import device_compact  # noqa: E402
+from twinflow.partition import Segment  # noqa: E402
 
 # bytes per element a fused step must move: weight 2 + residual 1 + codes 2 read and written, the bf16 gradient read
 BYTES_PER_ELEMENT = 2 * (2 + 1 + 2) + 2
+HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True, bias_correction=True)
 
 
 def timed(fn, reps: int) -> float:
@@ -35,77 +39,58 @@ def timed(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def make_state(n: int, compiled: bool) -> tuple[device_compact.CompactDeviceState, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(n, device="cuda", generator=gen) * 0.02).bfloat16()
+    state = device_compact.CompactDeviceState([Segment(0, 0, n, on_cpu=False)], [weight], "int8_m24")
+    if not compiled:  # the same functions, not compiled
+        state.residual_step, state.master_step = device_compact.step_functions(torch.device("cpu"))
+    return state, weight
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--elements", type=int, default=1 << 26)
+    parser.add_argument("--elements", type=int, default=1 << 28)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--hbm-gb-s", type=float, default=3350.0, help="the GPU's memory bandwidth (H100 SXM)")
-    parser.add_argument(
-        "--no-fp-fusion",
-        action="store_true",
-        help="compile without mul+add -> fma contraction (inductor's emulate_precision_casts)",
-    )
+    parser.add_argument("--hbm-gb-s", type=float, default=None, help="the GPU's memory bandwidth (default: by name)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    n, dev = args.elements, torch.device("cuda")
-    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
-    hi, lo = compact.encode_master(torch.randn(n) * 0.02)
-    weight, residual = (t.to(dev) for t in weight_master.split(hi, lo))
-    codes = {k: t.to(dev) for k, t in zip(compact_step.CODE_KEYS, compact.fresh(n))}
-    grad = (torch.randn(n, device=dev) * 1e-3).bfloat16()
-    step = 10  # the same step every call: the work does not depend on it, and compiled code is not re-traced
-
-    def eager() -> None:
-        compact_step.step_weight_master_(weight, residual, grad, codes, step, 0, hyper)
-
+    n = args.elements
+    name = torch.cuda.get_device_name()
+    hbm = args.hbm_gb_s or (4800.0 if "H200" in name else 3350.0)  # H200: 4.8 TB/s; H100 SXM: 3.35 TB/s
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grad = (torch.randn(n, device="cuda", generator=gen) * 1e-3).bfloat16()
+    scale = torch.tensor(0.7, device="cuda")
     result = {"command": sys.argv, "machine": machine_info(), "elements": n, "bytes_per_element": BYTES_PER_ELEMENT,
-              "roofline_gparam_s": args.hbm_gb_s / BYTES_PER_ELEMENT, "variants": {}}  # fmt: skip
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    variants = {"eager": eager}
-    if args.no_fp_fusion:
-        import torch._inductor.config as inductor
+              "hbm_gb_s": hbm, "roofline_gparam_s": hbm / BYTES_PER_ELEMENT, "variants": {}}  # fmt: skip
+    states = {}
+    for variant, compiled in (("eager", False), ("compiled", True)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        state, weight = make_state(n, compiled)
+        state_bytes = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
 
-        inductor.emulate_precision_casts = True  # also keeps Triton from fusing a multiply and an add into an fma
-    result["no_fp_fusion"] = args.no_fp_fusion
-    compiled = torch.compile(compact_step.step_weight_master_, dynamic=False)
+        def step(state=state) -> None:
+            state.step(state.states, [HYPER], [0], lambda i: grad, scale)
 
-    def fused() -> None:
-        compiled(weight, residual, grad, codes, step, 0, hyper)
-
-    variants["compiled"] = fused
-    # one step from the same state by each: does the compiled step keep the eager (the CPU kernel's) bits?
-    state = [weight, residual, *codes.values()]
-    start = [t.clone() for t in state]
-    after = {}
-    for name, fn in variants.items():
-        for t, s0 in zip(state, start):
-            t.copy_(s0)
-        try:
-            fn()
-            after[name] = [t.clone() for t in state]
-        except Exception as exc:
-            after[name] = None
-            print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    if after.get("compiled") is not None:
-        pairs = zip(after["eager"], after["compiled"])
-        same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs]
-        result["compiled_bit_for_bit"] = all(same)
-        print(f"compiled step bit for bit with eager: {all(same)} (weight, residual, codes: {same})", flush=True)
-    for name, fn in variants.items():
-        try:
-            seconds = timed(fn, args.reps)
-        except Exception as exc:  # a failure to compile is a result too
-            result["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            print(f"{name}: {result['variants'][name]['error']}", flush=True)
-            continue
+        step()  # one step from the same start: compared below
+        st = state.states[0]
+        states[variant] = [t.clone() for t in (weight, st.residual, *st.codes)]
+        seconds = timed(step, args.reps)
         entry = {"seconds": seconds, "gparam_s": n / seconds / 1e9,
                  "of_roofline": n / seconds / 1e9 / result["roofline_gparam_s"],
-                 "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}  # fmt: skip
-        result["variants"][name] = entry
-        print(f"{name}: {entry['gparam_s']:.1f} Gparam/s ({entry['of_roofline']:.1%} of the roofline), "
-              f"peak scratch {entry['peak_extra_gib']:.1f} GiB", flush=True)  # fmt: skip
-        torch.cuda.reset_peak_memory_stats()
+                 "scratch_gib": (torch.cuda.max_memory_allocated() - before) / 2**30,
+                 "state_bytes_per_element": state_bytes / n}  # fmt: skip
+        result["variants"][variant] = entry
+        print(f"{variant}: {entry['gparam_s']:.1f} Gparam/s ({entry['of_roofline']:.1%} of the roofline), "
+              f"scratch {entry['scratch_gib']:.2f} GiB", flush=True)  # fmt: skip
+        del state, weight, step
+        torch.cuda.empty_cache()
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*states.values())]
+    result["compiled_bit_for_bit"] = all(same)
+    print(f"compiled step bit for bit with eager: {all(same)} (weight, residual, codes and scales: {same})")
     print(f"wrote {write_json(result, 'bench_compact_device.json', args.out)}")
 
 

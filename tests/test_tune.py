@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import twinflow.tune
-from twinflow import TwinFlowAdam, ops
+from twinflow import TwinFlowAdam, compact, ops
 from twinflow.tune import (
     Inputs,
     NoRatioFits,
@@ -330,26 +330,32 @@ def test_host_memory_caps_the_ratio(host_gib: int, rates: str) -> None:
 
 def test_no_ratio_in_both_memories_is_an_error_that_names_the_compact_precisions() -> None:
     """OPT-13B-like on an 80 GB GPU with a 125 GiB host: the GPU needs most of the model on the CPU, where fp32
-    state does not fit; auto says so, with the ratios the 8-bit precisions would hold, and picks none of them."""
+    state does not fit; auto says so, with the ratios the 8-bit precisions would allow (their state smaller on
+    both sides), and picks none of them."""
     x = inputs(elements=13_000_000_000, grad_bytes=26_000_000_000, released_bytes_per_ratio=0,
                first_peak_bytes=60 * GIB, at_step_bytes=55 * GIB, budget_bytes=72 * GIB,
-               host_bytes_per_element=14.0, host_budget_bytes=88 * GIB)  # fmt: skip
+               host_bytes_per_element=14.0, host_budget_bytes=88 * GIB,
+               elements_by_dtype={"bfloat16": 13_000_000_000})  # fmt: skip
     with pytest.raises(NoRatioFits) as error:
         choose_ratio(x, "last", overlap=True, eager=True)
     message = str(error.value)
     # the device: (1 - r) 13e9 x 12 bytes of state on top of 60 GiB within 72 GiB; the host: 88 GiB / 13e9 / bytes
     assert "needs ratio at least 0.92" in message and "holds ratio at most 0.51" in message, message
-    assert "state_precision='int8' (8.0 bytes: ratio up to 0.91)" in message  # 8 + 2/256: still short of 0.92
-    assert "state_precision='int8_m24' (7.0 bytes: ratio up to 1.00)" in message
-    m24 = inputs(**(asdict(x) | dict(host_bytes_per_element=host_bytes_per_element("int8_m24", 2, False, False),
-                                     state_precision="int8_m24")))  # fmt: skip
-    d = choose_ratio(m24, "last", overlap=True, eager=True)  # what the message promised
-    assert d["ratio"] >= 0.92
-    assert_is_the_choice(m24, d, "last", True, True)
-    int8 = inputs(**(asdict(x) | dict(host_bytes_per_element=host_bytes_per_element("int8", 2, False, False),
-                                      state_precision="int8")))  # fmt: skip
-    with pytest.raises(NoRatioFits, match=r"int8_m24.*ratio up to 1\.00"):
-        choose_ratio(int8, "last", overlap=True, eager=True)
+    for precision in ("int8", "int8_m24"):
+        device = compact.device_bytes_per_element(precision, torch.bfloat16)  # 6.0 and 3.0 (+ 2/256)
+        host = host_bytes_per_element(precision, 2, False, False)  # 8.0 and 7.0
+        other = inputs(**(asdict(x) | dict(state_bytes_per_element=device, host_bytes_per_element=host,
+                                           state_precision=precision)))  # fmt: skip
+        fits = [k / 100 for k in range(101) if predict_host(other, k / 100) <= other.host_budget_bytes
+                and predict_peak(other, k / 100) <= other.budget_bytes]  # fmt: skip
+        assert fits, precision
+        assert (f"state_precision={precision!r} ({device:.1f} bytes of device state and {host:.1f} of host memory "
+                f"a parameter: ratio {fits[0]:.2f} to {fits[-1]:.2f} fits)") in message, message  # fmt: skip
+        d = choose_ratio(other, "last", overlap=True, eager=True)  # what the message promised
+        assert fits[0] <= d["ratio"] <= fits[-1]
+        assert_is_the_choice(other, d, "last", True, True)
+    # int8's range starts higher than int8_m24's: its device state is twice as large
+    assert re.search(r"'int8' \(6\.0 bytes.*ratio 0\.(\d\d) to.*'int8_m24' \(3\.0 bytes.*ratio 0\.(\d\d) to", message)
 
 
 # ---------------------------------------------------------------- the device is the CPU

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 256  # csrc/adam_span.h kQ8Block
+COPY_ELEMENTS = 1 << 22  # a 24-bit master copy encodes this many elements at a time (their int64 scratch: 32 MiB)
 TOP_FIELD_M, TOP_FIELD_V = 15, 31  # exponent bits: 4 for exp_avg, 5 for exp_avg_sq
 _M32 = 0xFFFFFFFF
 _SALT = 0x2545F491
@@ -49,6 +50,17 @@ _F32 = torch.float32
 PRECISIONS = ("fp32", "int8", "int8_m24")
 # Host state per CPU-stepped element, each precision's (as float, with the per-block scales).
 BYTES_PER_ELEMENT = {"fp32": 12.0, "int8": 6 + 2 / BLOCK, "int8_m24": 5 + 2 / BLOCK}
+
+
+def device_bytes_per_element(precision: str, dtype: torch.dtype) -> float:
+    """Device memory of the optimizer's state per device-stepped element of a `dtype` parameter in `precision`
+    (:mod:`twinflow.device_compact`; a float32 parameter is its own master)."""
+    moments = 8.0 if precision == "fp32" else 2 + 2 / BLOCK
+    if dtype == torch.float32:
+        return moments
+    if precision == "int8_m24" and dtype == torch.bfloat16:
+        return moments + 1  # the residual byte beside the weight
+    return moments + 4  # a float32 master beside the weight
 
 
 def check_state_precision(state_precision: object) -> str:
@@ -239,7 +251,10 @@ class Master24:
         return decode_master(self.hi, self.lo)
 
     def copy_(self, src: torch.Tensor) -> Master24:
-        hi, lo = encode_master(src.detach().reshape(-1).cpu())  # encoded on the host: no device scratch memory
-        self.hi.copy_(hi)
-        self.lo.copy_(lo)
+        flat = src.detach().reshape(-1)
+        for a in range(0, flat.numel(), COPY_ELEMENTS):  # a batch at a time: bounded scratch for any tensor
+            b = min(flat.numel(), a + COPY_ELEMENTS)
+            hi, lo = encode_master(flat[a:b].cpu())  # encoded on the host: no device scratch memory
+            self.hi[a:b].copy_(hi)
+            self.lo[a:b].copy_(lo)
         return self

@@ -75,16 +75,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from twinflow import compact
+from twinflow.device_compact import BATCH
 from twinflow.device_side import UPCAST_ELEMENTS
+from twinflow.tune.host import host_available_bytes, local_ranks
 from twinflow.tune.probes import cpu_kernel_rate, device_adam_rate, pcie_rate, probe_elements
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class Inputs:
     host_budget_bytes: float = float("inf")  # what the host can give, less the margin
     state_precision: str = "fp32"
     device_is_cpu: bool = False  # the device side steps on this CPU too, in host memory, on the same cores
+    elements_by_dtype: dict[str, int] | None = None  # parameters per dtype name: other precisions' device bytes
 
 
 def predict_host(inputs: Inputs, ratio: float) -> float:
@@ -133,56 +134,14 @@ def host_bytes_per_element(precision: str, staging_bytes: float, delayed: bool, 
     return compact.BYTES_PER_ELEMENT[precision] + staging_bytes * (2 if delayed or speculative else 1) + second_set
 
 
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
-
-
-def _cgroup_room(limit: str | None, usage: str | None, stat: str | None, inactive_key: str) -> float:
-    """A cgroup's limit less its usage, page cache it can drop (inactive file pages) not counted as used."""
-    if limit is None or usage is None or not limit.strip().isdigit():  # "max" (v2) or unreadable: no limit
-        return float("inf")
-    if int(limit) >= 1 << 60:  # cgroup v1 writes "no limit" as a huge number
-        return float("inf")
-    stats = dict(line.split() for line in (stat or "").splitlines() if len(line.split()) == 2)
-    used = int(usage) - int(stats.get(inactive_key, 0))
-    return float(max(0, int(limit) - used))
-
-
-def host_available_bytes(root: str = "/") -> float:
-    """What this process may still take of host memory: MemAvailable, or less under its cgroup's limit (v2: the
-    group /proc/self/cgroup names, else the root group; v1: the memory controller's). inf where none can be read.
-    `root`: prefixed to every path (tests)."""
-    available = float("inf")
-    for line in (_read(f"{root}proc/meminfo") or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    groups = [line.split(":", 2)[2] for line in (_read(f"{root}proc/self/cgroup") or "").splitlines()
-              if line.startswith("0::")]  # fmt: skip
-    for group in [g.strip().strip("/") for g in groups] + [""]:
-        base = f"{root}sys/fs/cgroup/{group}/".replace("//", "/")
-        if _read(base + "memory.max") is not None:
-            room = _cgroup_room(_read(base + "memory.max"), _read(base + "memory.current"),
-                                _read(base + "memory.stat"), "inactive_file")  # fmt: skip
-            return min(available, room)
-    v1 = f"{root}sys/fs/cgroup/memory/"
-    room = _cgroup_room(_read(v1 + "memory.limit_in_bytes"), _read(v1 + "memory.usage_in_bytes"),
-                        _read(v1 + "memory.stat"), "total_inactive_file")  # fmt: skip
-    return min(available, room)
-
-
-def local_ranks() -> int:
-    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE; 1 without it): they share its memory."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 class NoRatioFits(ValueError):
     """ratio="auto" found no ratio within both the device's and the host's memory budgets."""
+
+
+def device_bytes(by_dtype: dict[torch.dtype, int], precision: str) -> float:
+    """The device side's state bytes per element in `precision`, averaged over the parameters' dtypes."""
+    total = sum(by_dtype.values())
+    return sum(n * compact.device_bytes_per_element(precision, d) for d, n in by_dtype.items()) / max(total, 1)
 
 
 def predict_peak(inputs: Inputs, ratio: float) -> float:
@@ -352,10 +311,8 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
     options = []
     for precision in compact.PRECISIONS:
         if compact.BYTES_PER_ELEMENT[precision] < compact.BYTES_PER_ELEMENT[inputs.state_precision]:
-            per = host_bytes_per_element(precision, staging, delayed, speculative)
-            limit = inputs.host_budget_bytes / (inputs.elements * per)
-            options.append(f"state_precision={precision!r} ({per:.1f} bytes: ratio up to {min(1.0, limit):.2f})")
-    fix = ("; the CPU share's state can be made smaller (opt-in, not exact): " + ", ".join(options)) if options else ""
+            options.append(_other_precision(inputs, precision, staging, delayed, speculative))
+    fix = ("; both sides' state can be made smaller (opt-in, not exact): " + "; ".join(options)) if options else ""
     if inputs.device_is_cpu and inputs.budget_bytes is None:
         least = min(row["host_bytes"] for row in table)
         return (
@@ -372,6 +329,19 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
         f"{inputs.state_precision!r}, pinned staging included) holds ratio {holds}. Free host or device memory, or "
         f"set memory_budget/memory_margin{fix}"
     )
+
+
+def _other_precision(inputs: Inputs, precision: str, staging: float, delayed: bool, speculative: bool) -> str:
+    """What `precision` would allow: the ratios that fit both memories with both sides' state in it."""
+    per = host_bytes_per_element(precision, staging, delayed, speculative)
+    by_dtype = {getattr(torch, name): n for name, n in (inputs.elements_by_dtype or {}).items()}
+    device = device_bytes(by_dtype, precision) if by_dtype else inputs.state_bytes_per_element
+    other = replace(inputs, state_bytes_per_element=device, host_bytes_per_element=per, state_precision=precision)
+    fits = [k / 100 for k in range(101) if predict_host(other, k / 100) <= other.host_budget_bytes
+            and _on_device(other, {"peak_bytes": predict_peak(other, k / 100)})]  # fmt: skip
+    where = f"ratio {fits[0]:.2f} to {fits[-1]:.2f} fits" if fits else "no ratio fits either"
+    return (f"state_precision={precision!r} ({device:.1f} bytes of device state and {per:.1f} of host memory a "
+            f"parameter: {where})")  # fmt: skip
 
 
 class IterationProbe:
@@ -453,8 +423,9 @@ class IterationProbe:
         inputs = Inputs(
             elements=elements,
             grad_bytes=grad_bytes,
-            state_bytes_per_element=(12 * low + 8 * (elements - low)) / max(elements, 1),
-            temp_bytes=min(low, upcast_elements) * 4,
+            state_bytes_per_element=device_bytes(by_dtype, state_precision),
+            # fp32: the upcast batch; compact: the fused step's float32 intermediates of one batch
+            temp_bytes=min(low, upcast_elements) * 4 if state_precision == "fp32" else min(elements, BATCH) * 16,
             # With "first" the CPU share's gradients come last in backward, after the memory peak may have
             # passed: only "last" counts on their release.
             released_bytes_per_ratio=grad_bytes if release_grads and placement == "last" else 0,
@@ -475,6 +446,7 @@ class IterationProbe:
             host_budget_bytes=host_budget,
             state_precision=state_precision,
             device_is_cpu=on_cpu,
+            elements_by_dtype={str(d).removeprefix("torch."): n for d, n in by_dtype.items()},
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
