@@ -6,11 +6,11 @@ CPU it gives the kernel's bits exactly (tests/test_compact_kernel.py checks this
 device side's step for compact state (:mod:`twinflow.device_compact`), where a bf16 parameter's master is kept
 as the weight plus a residual byte (:mod:`twinflow.weight_master`): :func:`step_weight_master_`.
 
-Every product that feeds a sum, and every quotient, is taken in float64 and rounded to float32: the same bits
-as the float32 operation (a float64 result of float32 operands, rounded once more, is the correctly rounded
-float32 one), but a compiler cannot contract the product and the sum into one fused multiply-add or replace
-the division by an approximate one, as the GPU code ``torch.compile`` generates otherwise does. So compiled
-for the GPU the step keeps the CPU kernel's bits too.
+Quotients and square roots are taken in float64 and rounded to float32 (the correctly rounded float32 result,
+which a GPU's fast float32 division is not), and every rounded result passes an integer OR with a zero the
+compiler cannot see (the constants' last entry), so that torch.compile's GPU code neither contracts a product
+and a sum into one multiply-add nor drops a rounding between two float64 operations. Compiled for the GPU, the
+step is meant to keep the CPU kernel's bits too (``pytest -m cuda tests/test_device_compact.py`` checks it).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from twinflow import compact, weight_master
 
 F32, F64 = torch.float32, torch.float64
 CODE_KEYS = ("m_codes", "m_scales", "v_codes", "v_scales")
-CONSTANTS = ("b1", "b2", "omb1", "omb2", "eps", "step_size", "inv_bc2_sqrt", "l2", "param_scale")
-_B1, _B2, _OMB1, _OMB2, _EPS, _STEP_SIZE, _INV_BC2, _L2, _PARAM_SCALE = range(len(CONSTANTS))
+CONSTANTS = ("b1", "b2", "omb1", "omb2", "eps", "step_size", "inv_bc2_sqrt", "l2", "param_scale", "zero")
+_B1, _B2, _OMB1, _OMB2, _EPS, _STEP_SIZE, _INV_BC2, _L2, _PARAM_SCALE, _ZERO = range(len(CONSTANTS))
 _M32 = 0xFFFFFFFF
 
 
@@ -36,7 +36,7 @@ def constant_values(step: int, hyper: dict) -> list[float]:
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if correct else (1.0, 1.0)
     adamw = hyper["adamw_mode"]
     return [beta1, beta2, 1.0 - beta1, 1.0 - beta2, hyper["eps"], lr / bc1, 1.0 / math.sqrt(bc2),
-            0.0 if adamw else wd, 1.0 - lr * wd if adamw else 1.0]  # fmt: skip
+            0.0 if adamw else wd, 1.0 - lr * wd if adamw else 1.0, 0.0]  # fmt: skip
 
 
 def constants(step: int, hyper: dict, device: torch.device | None = None) -> torch.Tensor:
@@ -49,14 +49,27 @@ def uses_l2(hyper: dict) -> bool:
     return not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0
 
 
-def mul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _keep(x: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 `x` unchanged, its bits OR-ed with `zero` (an int32 0 the compiler cannot see): a rounding
+    torch.compile's GPU code would otherwise drop (a float64 -> float32 -> float64 round trip) or fuse away (a
+    product contracted with the following sum into one multiply-add) happens where the operation says."""
+    return (x.to(F32).view(torch.int32) | zero).view(F32)
+
+
+def mul32(a: torch.Tensor, b: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """a * b rounded to float32, never contracted into a following addition."""
-    return (a.to(F64) * b.to(F64)).to(F32)
+    return _keep(a * b, zero)
 
 
-def div32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a / b correctly rounded to float32 (a GPU's fast float32 division is not)."""
-    return (a.to(F64) / b.to(F64)).to(F32)
+def div32(a: torch.Tensor, b: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """a / b correctly rounded to float32 (a GPU's fast float32 division is not): the float64 quotient rounded
+    once more, which gives the correctly rounded float32 one."""
+    return _keep(a.to(F64) / b.to(F64), zero)
+
+
+def sqrt32(x: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (:func:`twinflow.compact.sqrt32`), kept apart from its users."""
+    return _keep(x.to(F64).sqrt(), zero)
 
 
 def noise(index_base: torch.Tensor | int, numel: int, key: torch.Tensor | int, device: torch.device) -> torch.Tensor:
@@ -71,17 +84,18 @@ def update(master: torch.Tensor, grad: torch.Tensor, codes: list[torch.Tensor], 
     """Adam's update of float32 `master` from 8-bit moments `codes` (:data:`CODE_KEYS`' order), the step's
     constants `c` and the gradient multiplier `scale` (None: 1): (new master, new exp_avg, new exp_avg_sq), all
     float32, before any rounding to 24 or 8 bits."""
+    z = c[_ZERO].view(torch.int32)  # 0, from a tensor: opaque to a compiler
     m = compact.decode_exp_avg(codes[0], codes[1])
     v = compact.decode_exp_avg_sq(codes[2], codes[3])
     g = grad.to(F32)
     if scale is not None:  # a multiplication by 1 keeps every bit: None skips it
-        g = g * scale.to(F32)
+        g = mul32(g, scale.to(F32), z)
     if l2:
-        g = g + mul32(c[_L2], master)
-    m_new = mul32(c[_B1], m) + mul32(c[_OMB1], g)
-    v_new = mul32(c[_B2], v) + mul32(c[_OMB2], g * g)
-    denom = mul32(compact.sqrt32(v_new), c[_INV_BC2]) + c[_EPS]
-    p_new = mul32(master, c[_PARAM_SCALE]) - mul32(c[_STEP_SIZE], div32(m_new, denom))
+        g = g + mul32(c[_L2], master, z)
+    m_new = mul32(c[_B1], m, z) + mul32(c[_OMB1], g, z)
+    v_new = mul32(c[_B2], v, z) + mul32(c[_OMB2], mul32(g, g, z), z)
+    denom = mul32(sqrt32(v_new, z), c[_INV_BC2], z) + c[_EPS]
+    p_new = mul32(master, c[_PARAM_SCALE], z) - mul32(c[_STEP_SIZE], div32(m_new, denom, z), z)
     return p_new, m_new, v_new
 
 
