@@ -16,6 +16,13 @@ step runs on the CPU):
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
+  ds-zenflow    DeepSpeed ZenFlow: ds-z2 plus its tutorial's zenflow block
+                (the top 5% of gradient columns step on the GPU every
+                step, the rest on the CPU every 4th step, overlapped; not
+                exact). Its steps are uneven (a CPU update lands every 4th,
+                the optimizer process starts at the 4th): time a multiple
+                of 4 steps after 4 warm-up steps (--steps-for
+                ds-zenflow=8,4) and read mean_step_seconds_with_drain
   ds-super:R    DeepSpeed SuperOffload (ZeRO-3, offload_optimizer.super_offload,
                 built for GH200; speculates on the CPU step, rolls back on
                 clipping or overflow), ratio R of the optimizer on the CPU
@@ -65,6 +72,7 @@ from benchmarks.bench_train_systems import (  # noqa: E402
     SINGLE_GPU_ONLY,
     TWINFLOW,
     WEIGHT_DECAY,
+    ZENFLOW,
     build,
     deepspeed_config,  # noqa: F401  (tests import the configs from here)
     parse_system,
@@ -331,6 +339,7 @@ def main() -> None:
             "clip": args.clip,
             "activation_checkpointing": "non-reentrant",
             "deepspeed_zero": DS_ZERO,
+            "deepspeed_zenflow": ZENFLOW,
             "twinflow_placement": args.placement,
         },  # fmt: skip
         "steps_for": steps_for,

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import torch
 
-SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "ds-super", "torchao")
-DEEPSPEED = ("ds-z3", "ds-z2", "ds-super")
+SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "ds-zenflow", "ds-super",
+           "torchao")  # fmt: skip
+DEEPSPEED = ("ds-z3", "ds-z2", "ds-zenflow", "ds-super")
+ZERO_STAGE_2 = ("ds-z2", "ds-zenflow")
 TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
 DS_ZERO = {"sub_group_size": 100_000_000, "reduce_bucket_size": 200_000_000, "overlap_comm": True}
+# ZenFlow's block (zero_optimization.zenflow) as DeepSpeed's ZenFlow tutorial gives it: the top 5% of each weight's
+# gradient columns step on the GPU every step, the rest accumulate and step on the CPU every 4th step, overlapped
+# with the next steps' compute. "auto" selection without a data loader selects the columns once, at the first step.
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
+           "full_warm_up_rounds": 0, "overlap_step": True}  # fmt: skip
 
 
 def parse_system(text: str) -> tuple[str, float | None]:
@@ -27,7 +34,7 @@ def parse_system(text: str) -> tuple[str, float | None]:
         form = f"{name}:R with R in [0, 1]" if needs_ratio else name
         raise SystemExit(f"system {text!r}: expected {form}")
     if not ratio:
-        return name, 1.0 if name == "ds-z2" else None
+        return name, 1.0 if name in ZERO_STAGE_2 else None
     try:
         value = float(ratio)
     except ValueError:
@@ -38,14 +45,17 @@ def parse_system(text: str) -> tuple[str, float | None]:
 
 
 def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
-    """DeepSpeed's config for system `name` (ds-z3, ds-z2, ds-super) with ratio `ratio` of the optimizer on the CPU."""
-    zero: dict = {"stage": 2 if name == "ds-z2" else 3, **DS_ZERO}
+    """DeepSpeed's config for system `name` (ds-z3, ds-z2, ds-zenflow, ds-super) with ratio `ratio` of the optimizer
+    on the CPU; ds-zenflow is ds-z2's config with ZenFlow's block added, so that the pair isolates ZenFlow."""
+    zero: dict = {"stage": 2 if name in ZERO_STAGE_2 else 3, **DS_ZERO}
     if ratio > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if ratio < 1:
             zero["offload_optimizer"]["ratio"] = ratio
         if name == "ds-super":
             zero["offload_optimizer"]["super_offload"] = True
+    if name == "ds-zenflow":
+        zero["zenflow"] = dict(ZENFLOW)  # a copy: DeepSpeed is handed a dict it may keep
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,

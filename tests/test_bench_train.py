@@ -24,6 +24,7 @@ BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py")]
 @pytest.mark.parametrize("text, expected", [
     ("amp", ("amp", None)), ("twinflow:0.4", ("twinflow", 0.4)), ("ds-z3:1", ("ds-z3", 1.0)),
     ("ds-z3:0", ("ds-z3", 0.0)), ("ds-z2", ("ds-z2", 1.0)), ("ds-super:0.4", ("ds-super", 0.4)),
+    ("ds-zenflow", ("ds-zenflow", 1.0)),
 ])  # fmt: skip
 def test_system_names_parse(text: str, expected: tuple) -> None:
     assert parse_system(text) == expected
@@ -32,6 +33,7 @@ def test_system_names_parse(text: str, expected: tuple) -> None:
 @pytest.mark.parametrize("text, message", [
     ("adam", "unknown name 'adam'"), ("twinflow", r"expected twinflow:R with R in \[0, 1\]"),
     ("amp:0.5", "expected amp"), ("ds-z3:1.5", "ratio '1.5' is not a number in"), ("ds-z3:x", "ratio 'x'"),
+    ("ds-zenflow:0.4", "expected ds-zenflow$"),
 ])  # fmt: skip
 def test_bad_system_names_are_refused_with_the_expected_form(text: str, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
@@ -69,6 +71,7 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
     assert rows["twinflow:0.4"]["ratio"] == 0.4 and result["markdown"] in printed
     assert "| torchao | - |" in result["markdown"]
     assert result["workload"]["clip"] == 1.0
+    assert result["workload"]["deepspeed_zenflow"]["topk_ratio"] == 0.05  # ZenFlow's settings are on record
     # twinflow reports whether it overlapped and the gradient memory it released, per rank
     released = rows["twinflow:0.4"]["released_grad_gib_per_rank"]
     assert rows["twinflow:0.4"]["attached"] is True and len(released) == 1 and released[0] > 0
@@ -88,6 +91,27 @@ def test_clip_reaches_the_engines_configs(clip: float) -> None:
 
     config = twinflow.load_config(twinflow_config(0.4, 2, 1, "last", clip), world_size=1)
     assert config.gradient_clipping == clip
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_zenflow_is_zero_offload_plus_the_tutorials_zenflow_block(clip: float) -> None:
+    """ds-zenflow: ds-z2's ZeRO-2 offload config, --clip as gradient_clipping, ZenFlow's block under
+    zero_optimization with the keys DeepSpeed 0.19.8's ZenFlowConfig reads; nothing else differs from ds-z2."""
+    name, ratio = parse_system("ds-zenflow")
+    config = deepspeed_config(name, ratio, 3, clip)
+    zero = config["zero_optimization"]
+    assert config["gradient_clipping"] == clip and config["train_micro_batch_size_per_gpu"] == 3
+    assert zero["stage"] == 2 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["zenflow"] == {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+                               "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}  # fmt: skip
+    # ZenFlow rejects a summed gradient all-reduce; AdamW makes DeepSpeed build ZenFlowCPUAdam, which ZeRO supports
+    assert "gradient_allreduce_op" not in config and "zero_allow_untested_optimizer" not in config
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}}
+    plain = deepspeed_config("ds-z2", 1.0, 3, clip)
+    assert "zenflow" not in plain["zero_optimization"]
+    assert {**plain, "zero_optimization": {**plain["zero_optimization"], "zenflow": zero["zenflow"]}} == config
+    zero["zenflow"]["topk_ratio"] = 0.5  # a config handed out and changed leaves the next one as it was
+    assert deepspeed_config(name, ratio, 3, clip)["zero_optimization"]["zenflow"]["topk_ratio"] == 0.05
 
 
 def test_bad_steps_for_is_refused_before_anything_runs() -> None:
