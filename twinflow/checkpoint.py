@@ -21,6 +21,10 @@ holds this file layer). Saving a tag again replaces it in place: its
 meta.json goes first, so an interrupted re-save leaves an incomplete tag
 (removed later), never one whose meta.json describes other shards.
 
+A TwinFlowAdam with compact state (``state_precision`` "int8", "int8_m24")
+has its shard in :mod:`twinflow.compact_checkpoint`'s format: its state as
+kept, written and loaded a record at a time (bit for bit, at any ratio).
+
 Loading reads and verifies everything (where the checkpoint is, meta.json's
 structure, the shard's size and hash, the world size, the model's keys and
 shapes, the optimizer state's entries) before it touches the model, the
@@ -30,7 +34,7 @@ giving the path, the size and the seconds taken.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import io
 import json
 import os
@@ -40,6 +44,7 @@ from typing import Any
 
 import torch
 
+from twinflow import compact_checkpoint
 from twinflow.checkpoint_files import (
     DAMAGED,
     CheckpointError,
@@ -48,16 +53,19 @@ from twinflow.checkpoint_files import (
     make_dirs,
     mark_saving,
     read_meta,
+    read_verified,
     remove_created,
     remove_leftovers,
     rename_into_place,
     save_to_stream,
     sha256_of,
+    size_error,
     temp_path,
     unwritable_error,
     write_atomic,
     write_temp,
 )
+from twinflow.compact_checkpoint import CompactShard, writes_compact
 from twinflow.cpu_adam import CPUAdam
 from twinflow.distributed import local, rank_and_world
 from twinflow.notice import notice
@@ -201,15 +209,18 @@ def save_checkpoint(
                 optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
             shard = {
                 "model": _local_state(model),
-                "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra,
             }
+            if writes_compact(optimizer):  # its state as it is kept, a record at a time (compact_checkpoint)
+                write = functools.partial(compact_checkpoint.write, optimizer=optimizer, **shard)
+            else:
+                write = functools.partial(save_to_stream, shard | {"optimizer": optimizer.state_dict()})
             # Streamed to a temporary beside the tag folder (the same file system, so the rename stays atomic),
             # not into memory: the shard can be as large as the optimizer's whole state. The tag folder is made
             # only once the shard is on disk.
             tmp = temp_path(directory, f"{tag}.{path.name}")
-            write_temp(tmp, lambda f: save_to_stream(shard, f))
+            write_temp(tmp, write)
             try:
                 if world > 1:
                     torch.distributed.barrier()  # every rank has cleaned up before any rank writes into the tag
@@ -371,7 +382,8 @@ def load_checkpoint(
     Everything is read and verified first; on any problem CheckpointError is
     raised, naming it and the fix, and nothing has changed. The optimizer may
     be built with another ratio or placement than the saved one
-    (TwinFlowAdam's state dict is ratio-independent).
+    (TwinFlowAdam's state dict is ratio-independent); a compact shard loads
+    into any optimizer (decoded in memory unless it is a compact TwinFlowAdam).
     """
     start = time.monotonic()
     directory = Path(directory)
@@ -395,58 +407,93 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back, or load another tag"
         )
-    data = path.read_bytes()  # read once: hashed, then loaded from memory
-    if len(data) != expected["bytes"]:
-        raise CheckpointError(
-            f"checkpoint {tag!r}: shard {path} is {len(data)} bytes, its meta.json records {expected['bytes']}: "
-            "the shard is truncated or corrupt, or was replaced after saving; load another tag, or restore the shard"
-        )
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != expected["sha256"]:
-        raise CheckpointError(
-            f"checkpoint {tag!r}: shard {path} has sha256 {digest}, its meta.json records {expected['sha256']} "
-            f"(the size, {len(data)} bytes, matches): the shard is corrupt or was replaced after saving; load "
-            "another tag, or restore the shard"
-        )
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise size_error(tag, path, size, expected["bytes"])
     where = f"checkpoint {tag!r}, shard {path}"
-    try:
-        shard = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # its hash matched: written so, e.g. by another tool, not damaged on the way
-        raise CheckpointError(
-            f"{where} cannot be read with torch.load(weights_only=True) ({_weights_only_error(exc)}). {DAMAGED}"
-        ) from exc
-    _check_shard(shard, where)
-    current = _local_state(model)
-    saved = shard["model"]
+    with open(path, "rb") as f:
+        if compact_checkpoint.is_compact(f):
+            compact = CompactShard(f, expected, tag, path)  # read and verified whole, a frame at a time
+            if writes_compact(optimizer):
+                extra = _load_compact(tag, compact, model, optimizer, scheduler)
+            else:  # any other optimizer (or TwinFlowAdam before ratio='auto' built): decoded, in memory
+                from twinflow.convert import decoded  # not at the top: `python -m twinflow.convert` runs it fresh
+
+                extra = _load_shard(tag, decoded(compact), where, model, optimizer, scheduler)
+        else:
+            data = read_verified(f, tag, path, expected)  # read once: hashed, then loaded from memory
+            try:
+                shard = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as exc:  # its hash matched: written so, e.g. by another tool, not damaged on the way
+                raise CheckpointError(
+                    f"{where} cannot be read with torch.load(weights_only=True) ({_weights_only_error(exc)}). {DAMAGED}"
+                ) from exc
+            extra = _load_shard(tag, shard, where, model, optimizer, scheduler)
+    if rank == 0:
+        count = f"rank 0's of {world} shards, " if world > 1 else ""
+        notice("loaded checkpoint %r from %s (%s%s, %.1f s)", tag, path, count, format_bytes(size),
+               time.monotonic() - start)  # fmt: skip
+    return extra, info | {"tag": tag}
+
+
+def _check_fits(tag: str, saved: dict[str, torch.Size], current: dict[str, torch.Tensor], saved_scheduler: bool,
+                scheduler: Any | None) -> None:  # fmt: skip
+    """CheckpointError unless the saved model's keys and shapes are the model's, and a scheduler was saved
+    exactly when one is given."""
     if set(saved) != set(current):
         missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
         raise CheckpointError(
             f"checkpoint {tag!r} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    for key, value in saved.items():
-        if value.shape != current[key].shape:
+    for key, shape in saved.items():
+        if shape != current[key].shape:
             raise CheckpointError(
-                f"checkpoint {tag!r}: {key} has shape {tuple(value.shape)}, the model has {tuple(current[key].shape)}"
+                f"checkpoint {tag!r}: {key} has shape {tuple(shape)}, the model has {tuple(current[key].shape)}"
             )
-    if (scheduler is None) != (shard["scheduler"] is None):
+    if (scheduler is None) == saved_scheduler:
         raise CheckpointError(f"checkpoint {tag!r}: a scheduler was {'not ' if scheduler is not None else ''}saved")
+
+
+def _not_fitting(tag: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {tag!r}: the optimizer state does not fit: {exc}. The checkpoint is damaged or was saved "
+        "with another optimizer or model: load another tag, or build the model and optimizer it was saved with"
+    )
+
+
+def _load_shard(tag: str, shard: Any, where: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any | None) -> dict[str, Any]:  # fmt: skip
+    """Checks the loaded `shard` against the model, optimizer and scheduler, loads it into them; its extra."""
+    _check_shard(shard, where)
+    current = _local_state(model)
+    _check_fits(tag, {key: value.shape for key, value in shard["model"].items()}, current,
+                shard["scheduler"] is not None, scheduler)  # fmt: skip
     _check_optimizer_state(optimizer, shard["optimizer"], where)
     # The model first: an optimizer without a saved master (fp32 parameters) takes it from the weights. If the
     # optimizer then refuses its state (it checks before changing anything), the model gets its weights back.
     backup = {key: value.detach().clone() for key, value in current.items()}
-    _copy_into(current, saved)
+    _copy_into(current, shard["model"])
     try:
         optimizer.load_state_dict(shard["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         _copy_into(current, backup)
-        raise CheckpointError(
-            f"checkpoint {tag!r}: the optimizer state does not fit: {exc}. The checkpoint is damaged or was saved "
-            "with another optimizer or model: load another tag, or build the model and optimizer it was saved with"
-        ) from exc
+        raise _not_fitting(tag, exc) from exc
     if scheduler is not None:
         scheduler.load_state_dict(shard["scheduler"])
-    if rank == 0:
-        count = f"rank 0's of {world} shards, " if world > 1 else ""
-        notice("loaded checkpoint %r from %s (%s%s, %.1f s)", tag, path, count, format_bytes(len(data)),
-               time.monotonic() - start)  # fmt: skip
-    return shard["extra"], info | {"tag": tag}
+    return shard["extra"]
+
+
+def _load_compact(tag: str, shard: CompactShard, model: torch.nn.Module, optimizer: TwinFlowAdam,
+                  scheduler: Any | None) -> dict[str, Any]:  # fmt: skip
+    """Checks the verified compact `shard` against the model, optimizer and scheduler, then loads it into them a
+    record at a time, the optimizer's state as it is kept (no whole copy of the model or the state); its extra."""
+    current = _local_state(model)
+    _check_fits(tag, {key: shape for key, shape, _ in shard.model}, current, shard.scheduler is not None, scheduler)
+    try:
+        compact_checkpoint.check_fits(shard, optimizer)
+    except ValueError as exc:
+        raise _not_fitting(tag, exc) from exc
+    compact_checkpoint.load_in_place(shard, current, optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(shard.scheduler)
+    return shard.extra

@@ -42,6 +42,7 @@ DAMAGED = (
     "The checkpoint is damaged or was not written by twinflow.checkpoint.save_checkpoint: load another tag, "
     "or save it again"
 )
+HASH_BLOCK = 1 << 20  # bytes a hash reads at once
 # The markers of the saves this process is running now: its other markers (of a save that failed) are stale.
 _saving: set[Path] = set()
 
@@ -304,11 +305,38 @@ def unwritable_error(exc: OSError, directory: Path) -> OSError | None:
     return OSError(exc.errno, message)  # PermissionError for EACCES and EPERM
 
 
+def size_error(tag: str, path: Path, found: int, recorded: int) -> CheckpointError:
+    """The refusal of shard `path` of checkpoint `tag` whose size is not the one its meta.json records."""
+    return CheckpointError(
+        f"checkpoint {tag!r}: shard {path} is {found} bytes, its meta.json records {recorded}: the shard is "
+        "truncated or corrupt, or was replaced after saving; load another tag, or restore the shard"
+    )
+
+
+def hash_error(tag: str, path: Path, found: str, recorded: str, size: int) -> CheckpointError:
+    """The refusal of shard `path` of checkpoint `tag` (of the recorded `size`) whose sha256 is not the recorded."""
+    return CheckpointError(
+        f"checkpoint {tag!r}: shard {path} has sha256 {found}, its meta.json records {recorded} (the size, {size} "
+        "bytes, matches): the shard is corrupt or was replaced after saving; load another tag, or restore the shard"
+    )
+
+
+def read_verified(f: IO[bytes], tag: str, path: Path, expected: dict[str, Any]) -> bytes:
+    """All of shard `f` (`path`, of checkpoint `tag`), its size and sha256 checked against meta.json's `expected`."""
+    data = f.read()
+    if len(data) != expected["bytes"]:
+        raise size_error(tag, path, len(data), expected["bytes"])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected["sha256"]:
+        raise hash_error(tag, path, digest, expected["sha256"], len(data))
+    return data
+
+
 def sha256_of(path: Path) -> str:
-    """The hex sha256 of the file at `path`, read in blocks."""
+    """The hex sha256 of the file at `path`, read in blocks (of HASH_BLOCK bytes: little memory)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
+        for block in iter(lambda: f.read(HASH_BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()
 

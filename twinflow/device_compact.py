@@ -163,6 +163,11 @@ class CompactDeviceState:
             return None
         return st.master if st.master is not None else st.weight
 
+    def raw(self, i: int) -> CompactSegment:
+        """Parameter i's device state as kept (live: codes, block scales, the master's form), for a checkpoint to
+        copy out or in unchanged."""
+        return self.of[i]
+
     def master_is_weight(self, i: int) -> bool:
         st = self.of[i]
         return st.master is None and st.residual is None

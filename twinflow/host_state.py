@@ -161,6 +161,12 @@ class HostState:
         """Sets `values` (flat over parameter i's CPU elements; a moment None: fresh) in the precision kept."""
         self.codec.write(self.pieces_of[i], values, self.span[i][0])
 
+    def raw(self, i: int) -> list[tuple[Piece, list[torch.Tensor], torch.Tensor | compact.Master24]]:
+        """Parameter i's CPU state as a compact codec keeps it, per piece: live views of the moments' codes and
+        block scales (counted from the piece's first element) and of its masters (float32, or 24-bit), for a
+        checkpoint to copy out or in unchanged."""
+        return [(pc, self.codec.q8[pc.id], self.codec.masters[pc.id]) for pc in self.pieces_of[i]]
+
     def make_scratch(self) -> None:
         """Speculation's second set (12 bytes per element), made the first time a step speculates."""
         self.codec.make_scratch()

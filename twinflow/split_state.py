@@ -271,6 +271,22 @@ class SplitState:
         self.generation += 1
 
     @torch.no_grad()
+    def loaded_raw(self, steps: dict[int, int]) -> None:
+        """After a checkpoint wrote the state of the parameters `steps` names in the form their sides keep it
+        (:meth:`HostState.raw`, :meth:`CompactDeviceState.raw`): their step counts, and a load's bookkeeping (the
+        weights written count as the optimizer's own); every other parameter starts afresh, as in :meth:`load`."""
+        self.handed.clear()
+        for i in range(len(self.params)):
+            if i not in steps:
+                self.put(i, None)
+                continue
+            self.steps[i], self.has_state[i] = steps[i], True
+            if self.device_state is not None:
+                self.device_state.set_step(i, steps[i])
+            self.versions.note(i)
+        self.generation += 1
+
+    @torch.no_grad()
     def refresh_masters(self, moved: set[int]) -> None:
         """Masters follow weights changed outside the optimizer (``model.load_state_dict``, PEFT, EMA swaps);
         the moments stay, as in torch.optim.AdamW. Call while no kernel steps them."""
