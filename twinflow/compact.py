@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 256  # csrc/adam_span.h kQ8Block
-COPY_ELEMENTS = 1 << 22  # a 24-bit master copy encodes this many elements at a time (their int64 scratch: 32 MiB)
+COPY_ELEMENTS = 1 << 20  # 24-bit master copies and host reads convert this many elements at a time (scratch ~48 MiB)
 TOP_FIELD_M, TOP_FIELD_V = 15, 31  # exponent bits: 4 for exp_avg, 5 for exp_avg_sq
 _M32 = 0xFFFFFFFF
 _SALT = 0x2545F491

@@ -173,12 +173,13 @@ class CompactDeviceState:
         return st.master is None and st.residual is None
 
     @torch.no_grad()
-    def read(self, i: int, key: str) -> torch.Tensor:
-        """A float32 copy, in host memory, of parameter i's device elements of `key`, decoded a batch at a time
-        (the device holds one batch of float32 at most)."""
+    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A float32 copy, in host memory (into `out` if given), of parameter i's device elements of `key`,
+        decoded a batch at a time (the device holds one batch of float32 at most)."""
         st = self.of[i]
-        out = torch.empty(st.seg.numel, dtype=F32)
-        for a, b in st.batches():
+        out = torch.empty(st.seg.numel, dtype=F32) if out is None else out
+        n = st.seg.numel
+        for a, b in [(a, min(n, a + compact.COPY_ELEMENTS)) for a in range(0, n, compact.COPY_ELEMENTS)]:
             codes = st.codes_of(a, b)
             if key == "master":
                 part = st.master_of(a, b)

@@ -55,7 +55,9 @@ class DeviceState:
         """Parameter i's device elements of `key` (live)."""
         return getattr(self.of[i], key)
 
-    read = view  # the device side keeps float32: its reads are its views
+    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter i's device elements of `key`: the live view, or copied into `out` if given."""
+        return self.view(i, key) if out is None else out.copy_(self.view(i, key))
 
     def master_is_weight(self, i: int) -> bool:
         st = self.of[i]

@@ -52,8 +52,9 @@ class Fp32Codec:
         """Elements [lo, hi) of the first set's `key` buffer (a view)."""
         return self.buffers[KEYS.index(key)][lo:hi]
 
-    def read(self, pieces: list[Piece], key: str) -> torch.Tensor:
-        return torch.cat([self.sets[0][pc.id][KEYS.index(key)] for pc in pieces])
+    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int) -> None:
+        for pc in pieces:
+            out[pc.start - lo : pc.end - lo].copy_(self.sets[0][pc.id][KEYS.index(key)])
 
     def write(self, pieces: list[Piece], values: dict[str, torch.Tensor | None], lo: int) -> None:
         for key, value in values.items():
@@ -90,13 +91,25 @@ class Int8Codec:
     def field(self, key: str, lo: int, hi: int) -> torch.Tensor | None:
         return self.master[lo:hi] if key == "master" and isinstance(self.master, torch.Tensor) else None
 
-    def read(self, pieces: list[Piece], key: str) -> torch.Tensor:
-        if key == "master":
-            return torch.cat([m.float() if isinstance(m, compact.Master24) else m for m in
-                              (self.masters[pc.id] for pc in pieces)])  # fmt: skip
+    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int) -> None:
+        """Decodes into `out` a batch at a time (its scratch bounded by compact.COPY_ELEMENTS, whatever the piece)."""
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
-        codes = 0 if key == "exp_avg" else 2
-        return torch.cat([decode(self.q8[pc.id][codes], self.q8[pc.id][codes + 1]) for pc in pieces])
+        k = 0 if key == "exp_avg" else 2
+        for pc in pieces:
+            for a in range(0, pc.numel, compact.COPY_ELEMENTS):  # a multiple of the block: scales slice cleanly
+                b = min(pc.numel, a + compact.COPY_ELEMENTS)
+                if key == "master":
+                    m = self.masters[pc.id][a:b]
+                    part = m.float() if isinstance(m, compact.Master24) else m
+                else:
+                    q = self.q8[pc.id]
+                    part = decode(q[k][a:b], q[k + 1][a // compact.BLOCK : compact.blocks(b)])
+                out[pc.start - lo + a : pc.start - lo + b].copy_(part)
+
+    def read_all(self, pieces: list[Piece], key: str) -> torch.Tensor:
+        out = torch.empty(sum(pc.numel for pc in pieces), dtype=torch.float32)
+        self.read(pieces, key, out, pieces[0].start)
+        return out
 
     def write(self, pieces: list[Piece], values: dict[str, torch.Tensor | None], lo: int) -> None:
         if "master" in values:
@@ -104,7 +117,7 @@ class Int8Codec:
                 self.masters[pc.id].copy_(values["master"][pc.start - lo : pc.end - lo])
         if not any(key in values for key in MOMENTS):
             return
-        both = [values[k] if k in values else self.read(pieces, k) for k in MOMENTS]  # encoded together
+        both = [values[k] if k in values else self.read_all(pieces, k) for k in MOMENTS]  # encoded together
         for pc in pieces:
             if both[0] is None:
                 for t in self.q8[pc.id]:
@@ -152,9 +165,13 @@ class HostState:
         return self.codec.field(key, base, base + end - start)
 
     @torch.no_grad()
-    def read(self, i: int, key: str) -> torch.Tensor:
-        """A float32 copy of parameter i's CPU elements of `key` (the first set: call :meth:`settle` first)."""
-        return self.codec.read(self.pieces_of[i], key)
+    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A float32 copy of parameter i's CPU elements of `key` (the first set: call :meth:`settle` first),
+        into `out` if given (flat, host memory), decoded a batch at a time."""
+        start, end, _ = self.span[i]
+        out = torch.empty(end - start, dtype=torch.float32) if out is None else out
+        self.codec.read(self.pieces_of[i], key, out, start)
+        return out
 
     @torch.no_grad()
     def write(self, i: int, values: dict[str, torch.Tensor | None]) -> None:

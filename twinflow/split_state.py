@@ -190,7 +190,7 @@ class SplitState:
             full = torch.empty(p.numel(), dtype=torch.float32)
             for side in sides:
                 start, end = side.range(i)
-                full[start:end] = side.read(i, key)
+                side.read(i, key, full[start:end])  # decoded straight into the entry: no copy of a side's share
             entry[key] = full.view(p.shape)
             copies.append(key)
         if handed:
