@@ -46,9 +46,10 @@ class CompactSegment:
     codes: list[torch.Tensor] = field(default_factory=list)  # exp_avg codes, scales, exp_avg_sq codes, scales
     count: int = 0  # steps taken: the bias correction's and the rounding noise's
 
-    def batches(self) -> list[tuple[int, int]]:
+    def batches(self, size: int = BATCH) -> list[tuple[int, int]]:
+        """[a, b) ranges of at most `size` elements (a multiple of the block) covering the segment."""
         n = self.seg.numel
-        return [(a, min(n, a + BATCH)) for a in range(0, n, BATCH)]
+        return [(a, min(n, a + size)) for a in range(0, n, size)]
 
     def codes_of(self, a: int, b: int) -> list[torch.Tensor]:
         """The codes and block scales of elements [a, b) (a at a block's start)."""
@@ -178,8 +179,7 @@ class CompactDeviceState:
         decoded a batch at a time (the device holds one batch of float32 at most)."""
         st = self.of[i]
         out = torch.empty(st.seg.numel, dtype=F32) if out is None else out
-        n = st.seg.numel
-        for a, b in [(a, min(n, a + compact.COPY_ELEMENTS)) for a in range(0, n, compact.COPY_ELEMENTS)]:
+        for a, b in st.batches(compact.COPY_ELEMENTS):
             codes = st.codes_of(a, b)
             if key == "master":
                 part = st.master_of(a, b)
@@ -195,7 +195,7 @@ class CompactDeviceState:
         """Sets `values` (flat over parameter i's device elements; a moment None: fresh), encoded to the nearest
         code a batch at a time. A master also sets the weight where the weight holds it."""
         st = self.of[i]
-        for a, b in st.batches():
+        for a, b in st.batches(compact.COPY_ELEMENTS):  # small batches: encoding's int64 scratch stays bounded
             if "master" in values and not self.master_is_weight(i):
                 master = values["master"][a:b].to(self.device, F32)
                 if st.residual is not None:

@@ -55,8 +55,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
     A drop-in for ``torch.optim.AdamW``. The split is exact to the element, in parameter order:
     ``placement="first"`` gives the CPU the first ``ratio`` of the elements, ``"last"`` the last (a tensor at
     the boundary is cut in two); ``ratio="auto"`` chooses at the first ``step()`` from that iteration's measured
-    memory and times (:mod:`twinflow.tune`). Both sides keep fp32 masters and moments: the CPU's in host memory,
-    stepped by twinflow's kernel on a worker thread, the device's stepped by torch's fused Adam; bf16/fp16
+    memory and times (:mod:`twinflow.tune`). By default both sides keep fp32 masters and moments: the CPU's in host
+    memory, stepped by twinflow's kernel on a worker thread, the device's stepped by torch's fused Adam; bf16/fp16
     parameters receive the rounded result. Plain ``step()`` returns once every weight is back; after
     ``attach(model)`` gradients leave during backward and the next forward waits only for the weights it uses.
     ``max_grad_norm`` clips by one global norm. ``delay_after=n`` (opt-in, not exact): after n exact steps, the
@@ -67,7 +67,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
     clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``state_precision="int8"`` (opt-in, not
-    exact): the CPU's moments in 8 bits, 6 bytes a parameter; "int8_m24": and 24-bit masters, 5 (:mod:`.compact`).
+    exact): both sides' moments in 8 bits (the CPU's 6 bytes a parameter); "int8_m24": and 24-bit masters (the
+    CPU's 5 bytes; on the device a bf16 parameter's master is its weight plus a residual byte, 3 bytes of state
+    a parameter): :mod:`.compact`, :mod:`.device_compact`. With a compact precision the cuts between the sides
+    fall on 256-element block starts, so the split is exact to the block, not the element.
     """
 
     def __init__(
