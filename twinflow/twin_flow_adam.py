@@ -67,10 +67,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
     clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``state_precision="int8"`` (opt-in, not
-    exact): both sides' moments in 8 bits (the CPU's 6 bytes a parameter); "int8_m24": and 24-bit masters (the
-    CPU's 5 bytes; on the device a bf16 parameter's master is its weight plus a residual byte, 3 bytes of state
-    a parameter): :mod:`.compact`, :mod:`.device_compact`. With a compact precision the cuts between the sides
-    fall on 256-element block starts, so the split is exact to the block, not the element.
+    exact): both sides' moments in 8 bits; "int8_m24": and 24-bit masters (:mod:`.compact`, :mod:`.device_compact`).
     """
 
     def __init__(

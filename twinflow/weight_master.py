@@ -66,4 +66,9 @@ def weight_of(master: torch.Tensor) -> torch.Tensor:
     """The bfloat16 weight of float32 masters as a 24-bit master's weight: the master rounded to 24 bits (to the
     nearest), then to the nearest bfloat16, ties away from zero (where torch's conversion goes to even). Both
     sides give a bf16 parameter under "int8_m24" this weight."""
-    return split(*compact.encode_master(master))[0]
+    flat = master.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
+    for a in range(0, flat.numel(), compact.COPY_ELEMENTS):  # a batch at a time: bounded integer scratch
+        b = min(flat.numel(), a + compact.COPY_ELEMENTS)
+        out[a:b] = split(*compact.encode_master(flat[a:b]))[0]
+    return out.view(master.shape)
