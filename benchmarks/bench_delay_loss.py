@@ -112,13 +112,16 @@ def plot(result: dict, path: Path) -> None:
     for k, name in enumerate(["exact", *others]):
         color, losses = f"C{k}", runs[name]["losses"]
         ax.plot(losses, color=color, alpha=0.25, lw=0.8)
-        ax.plot(smooth(losses, 20), color=color, label=f"{labels[name]} (20-step mean)")
+        base, _, where = name.partition(" (")
+        label = labels.get(base, base) + (f" ({where}" if where else "")
+        ax.plot(smooth(losses, 20), color=color, label=f"{label}, 20-step mean")
         if name != "exact":
-            ax_d.plot([d - e for d, e in zip(smooth(losses, 20), exact)], color=color, label=labels[name])
+            ax_d.plot([d - e for d, e in zip(smooth(losses, 20), exact)], color=color, label=label)
     ax_d.axhline(0.0, color="grey", lw=0.6)
     if "delayed" in others:
         ax.axvline(result["delay_after"], color="grey", ls=":", lw=0.8, label="delay starts")
-    ax.set(ylabel="training loss", title=f"{result['model']}, ratio {result['ratio']}, clipping at 1.0")
+    where = ", unless named" if any("(ratio" in name for name in runs) else ""
+    ax.set(ylabel="training loss", title=f"{result['model']}, ratio {result['ratio']}{where}, clipping at 1.0")
     ax_d.set(xlabel="step", ylabel="minus exact (20-step means)")
     ax.legend()
     for a in (ax, ax_d):
@@ -146,19 +149,31 @@ def main() -> None:
     parser.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of this JSON")
     parser.add_argument("--only", default=None, help="train only this run (exact, or the mode's); merge later")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join --only results (one exact)")
+    parser.add_argument(
+        "--mixed-ratios",
+        action="store_true",
+        help="--merge: runs at other ratios than the first file's join too, named with their ratio",
+    )
     args = parser.parse_args()
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
         return
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        base = parts[0]["ratio"]
+        if args.mixed_ratios:  # runs at another ratio than the first file's keep it in their names
+            for part in parts:
+                if part["ratio"] != base:
+                    part["runs"] = {f"{name} (ratio {part['ratio']:g})": run for name, run in part["runs"].items()}
         runs = {name: run for part in parts for name, run in part["runs"].items()}
         names = [name for part in parts for name in part["runs"]]
         if "exact" not in runs or len(runs) < 2 or len(names) != len(runs):
             raise SystemExit(f"--merge: expected the exact run and one or more others, each once; got {names}")
-        settings = {(p["model"], p["steps"], p["ratio"], p["micro_batch"], p["lr"]) for p in parts}
+        settings = {(p["model"], p["steps"], p["micro_batch"], p["lr"]) + ((p["ratio"],) * (not args.mixed_ratios))
+                    for p in parts}  # fmt: skip
         if len(settings) > 1:
-            raise SystemExit(f"--merge: the runs differ in (model, steps, ratio, micro-batch, lr): {sorted(settings)}")
+            raise SystemExit(f"--merge: the runs differ in (model, steps, micro-batch, lr, ratio): {sorted(settings)}; "
+                             "--mixed-ratios allows other ratios")  # fmt: skip
         mode = next(part["mode"] for part in parts if part["mode"] in runs)
         finish(args, parts[0] | {"mode": mode, "command": [p["command"] for p in parts]}, runs)
         return
