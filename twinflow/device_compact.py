@@ -228,6 +228,10 @@ class CompactDeviceState:
         if i in self.of:
             self.of[i].count = steps
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this side owns (not the weights, which hold masters in part)."""
+        return [t for st in self.states for t in (st.master, st.residual, *st.codes) if t is not None]
+
     def stepped(self, with_grad: set[int]) -> list[CompactSegment]:
         return [st for st in self.states if st.seg.index in with_grad]
 

@@ -84,6 +84,11 @@ class DeviceState:
         parameter itself)."""
         return 12 * sum(st.seg.numel for st in self.states)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this side owns (a float32 parameter that is its own master excepted: it is a weight)."""
+        return [t for st in self.states for t in (st.master, st.exp_avg, st.exp_avg_sq, st.device_step)
+                if t is not st.master or not self.master_is_weight(st.seg.index)]  # fmt: skip
+
     def stepped(self, with_grad: set[int]) -> list[SegmentState]:
         return [st for st in self.states if st.seg.index in with_grad]
 

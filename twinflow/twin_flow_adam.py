@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from twinflow import device_side, ops
+from twinflow import device_side, offload_states, ops
 from twinflow.compact import check_state_precision
 from twinflow.coordinator import Settings, StepCoordinator
 from twinflow.cpu_adam import ParamsT, adam_defaults, align_group_flags, check_adamw_flags
@@ -118,6 +118,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.device = self.coordinator.split.device
         self.attachment: Attachment | None = None  # the hooks of attach()
         self.pending_state: dict[int, dict[str, torch.Tensor]] | None = None  # loaded before ratio='auto' built
+        self.offload = offload_states.StateOffload()  # what offload_states() moved out, and its host buffer
         self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
         self.register_state_dict_post_hook(_plain_entries, prepend=True)
         self.auto_decision, self._probe = None, IterationProbe(self.device) if self.auto_ratio else None
@@ -237,6 +238,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         c = self.coordinator
+        self.offload.check("step()")
         args = c.step_args()  # checks the hyper-parameters before anything moves
         c.speculation.warn_if_idle(final=True)
         if (self.ratio is None and self._choose_ratio() is None) or c.rebuild_if_needed():
@@ -294,6 +296,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """torch.optim's ``state_dict`` (its hooks run), once the CPU share's last step has finished; it loads
         under another ratio or placement and into ``torch.optim.AdamW`` (which ignores ``master``)."""
         split = self.coordinator.split
+        self.offload.check("state_dict()")
         split.check_settled()
         split.settle_state()
         split.absorb_edits()  # in-place writes to opt.state's copies, in the precision the state keeps
@@ -330,23 +333,38 @@ class TwinFlowAdam(torch.optim.Optimizer):
         return _pickled(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        ours = state.get("twinflow")
-        if ours is None:  # torch's load_state_dict passes the loaded groups, and the entries beyond ours, this way
-            loaded = state.pop("state", {})
-            torch.optim.Optimizer.__setstate__(self, state)
-            align_group_flags(self.param_groups, self.defaults)
-            self._states.restore(loaded)
-            return
-        settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
-        settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
-        hyper = {k: state["defaults"][k] for k in _HYPER}
-        TwinFlowAdam.__init__(self, state["param_groups"], **hyper, **settings)
-        self.coordinator.skipped_steps = ours["skipped_steps"]
-        split = self.coordinator.split
-        if ours["state"]:
-            split.load(ours["state"])
-        per_param, other = ours.get("extras", ({}, {}))
-        self._states.restore({**other, **{split.params[i]: entry for i, entry in per_param.items()}})
+        entries = _restored(self, state)  # first: an unpickled optimizer has no state map before it
+        self._states.restore(entries)
+
+    def offload_states(self, include: Any = ("optimizer", "grads"), weights: bool = False) -> int:
+        """Frees the device for another phase (an RL rollout): the device share's state and the gradients (and the
+        weights, `weights=True`) move to one reused host buffer; returns the bytes (:mod:`.offload_states`)."""
+        return offload_states.offload(self, include, weights)
+
+    def reload_states(self) -> int:
+        """Brings back what :meth:`offload_states` moved, into the same tensors; returns the bytes."""
+        return self.offload.reload()
+
+
+def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
+    """``__setstate__`` but for ``opt.state``'s own entries, which it returns: torch's load passes the loaded
+    groups this way; a copy or an unpickling passes ours."""
+    ours = state.get("twinflow")
+    if ours is None:  # torch's load_state_dict passes the loaded groups, and the entries beyond ours, this way
+        loaded = state.pop("state", {})
+        torch.optim.Optimizer.__setstate__(opt, state)
+        align_group_flags(opt.param_groups, opt.defaults)
+        return loaded
+    settings = {k: v for k, v in ours["settings"].items() if k != "auto_ratio"}  # pickled before 0.1.0's split
+    settings["ratio"] = "auto" if settings["ratio"] is None else settings["ratio"]
+    hyper = {k: state["defaults"][k] for k in _HYPER}
+    TwinFlowAdam.__init__(opt, state["param_groups"], **hyper, **settings)
+    opt.coordinator.skipped_steps = ours["skipped_steps"]
+    split = opt.coordinator.split
+    if ours["state"]:
+        split.load(ours["state"])
+    per_param, other = ours.get("extras", ({}, {}))
+    return {**other, **{split.params[i]: entry for i, entry in per_param.items()}}
 
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
