@@ -73,10 +73,10 @@ def check_state_precision(state_precision: object) -> str:
     return state_precision
 
 
-def sqrt32(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded float32 square root, as the kernel's (torch's own float32 sqrt on the CPU is not:
-    about 1 in 6 results differ in the last bit)."""
-    return x.double().sqrt().to(_F32)
+def spans(numel: int, size: int = COPY_ELEMENTS) -> list[tuple[int, int]]:
+    """[a, b) ranges of at most `size` elements covering `numel` (each `a` a block's start when `size` is a
+    multiple of the block): work done a batch at a time keeps its scratch bounded, whatever the tensor."""
+    return [(a, min(numel, a + size)) for a in range(0, numel, size)]
 
 
 def blocks(numel: int) -> int:
@@ -252,8 +252,7 @@ class Master24:
 
     def copy_(self, src: torch.Tensor) -> Master24:
         flat = src.detach().reshape(-1)
-        for a in range(0, flat.numel(), COPY_ELEMENTS):  # a batch at a time: bounded scratch for any tensor
-            b = min(flat.numel(), a + COPY_ELEMENTS)
+        for a, b in spans(flat.numel()):
             hi, lo = encode_master(flat[a:b].cpu())  # encoded on the host: no device scratch memory
             self.hi[a:b].copy_(hi)
             self.lo[a:b].copy_(lo)

@@ -68,7 +68,8 @@ def div32(a: torch.Tensor, b: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt32(x: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded float32 square root (:func:`twinflow.compact.sqrt32`), kept apart from its users."""
+    """The correctly rounded float32 square root, as the kernel's (torch's own float32 sqrt on the CPU is not:
+    about 1 in 6 results differ in the last bit), kept apart from its users."""
     return _keep(x.to(F64).sqrt(), zero)
 
 
@@ -99,6 +100,11 @@ def update(master: torch.Tensor, grad: torch.Tensor, codes: list[torch.Tensor], 
     return p_new, m_new, v_new
 
 
+def multiplier(scale: float | torch.Tensor) -> torch.Tensor | None:
+    """The gradient multiplier :func:`update` takes: None for a plain 1 (a multiplication by 1 keeps every bit)."""
+    return None if not isinstance(scale, torch.Tensor) and scale == 1.0 else torch.as_tensor(scale, dtype=F32)
+
+
 def adam_step(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -112,24 +118,44 @@ def adam_step(
     before any rounding to 24 bits), the new codes, and the step's rounding noise (32 bits per element; its low
     8 round a 24-bit master). `index_base`: the first element's index (the noise's)."""
     c = constants(step, hyper, master.device)
-    multiplier = None if not isinstance(scale, torch.Tensor) and scale == 1.0 else torch.as_tensor(scale, dtype=F32)
-    p_new, m_new, v_new = update(master, grad, [codes[k] for k in CODE_KEYS], c, multiplier, uses_l2(hyper))
+    p_new, m_new, v_new = update(master, grad, [codes[k] for k in CODE_KEYS], c, multiplier(scale), uses_l2(hyper))
     bits = noise(index_base, master.numel(), compact.key(step), master.device)
     return p_new, dict(zip(CODE_KEYS, compact.encode(m_new, v_new, bits))), bits
+
+
+def residual_step_(weight, residual, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN201 (compiled)
+    """One step, in place, of masters kept as (bf16 `weight`, int8 `residual`) with 8-bit moments `codes`
+    (:data:`CODE_KEYS`' order): constants `c`, multiplier `scale` (or None), `meta` = (first element's index,
+    the step's noise key) as a tensor, `l2` as :func:`uses_l2`. The new master is rounded to 24 bits with the
+    kernel's noise, then split into the weight (the nearest) and the residual: the CPU kernel's bits."""
+    master = weight_master.decode(weight, residual)
+    p_new, m_new, v_new = update(master, grad, codes, c, scale, l2)
+    bits = noise(meta[0], weight.numel(), meta[1], weight.device)
+    encoded = compact.encode(m_new, v_new, bits)
+    new_weight, new_residual = weight_master.split(*compact.encode_master(p_new, bits & 0xFF))
+    weight.copy_(new_weight)
+    residual.copy_(new_residual)
+    for target, value in zip(codes, encoded):
+        target.copy_(value)
+
+
+def master_step_(master, weight_out, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN201 (compiled)
+    """:func:`residual_step_` for a float32 `master`, and its rounded copy into `weight_out` (None: the master is
+    the weight)."""
+    p_new, m_new, v_new = update(master, grad, codes, c, scale, l2)
+    encoded = compact.encode(m_new, v_new, noise(meta[0], master.numel(), meta[1], master.device))
+    master.copy_(p_new)
+    if weight_out is not None:
+        weight_out.copy_(p_new)  # the weight: the master rounded to its dtype (to the nearest, ties to even)
+    for target, value in zip(codes, encoded):
+        target.copy_(value)
 
 
 @torch.no_grad()
 def step_weight_master_(weight: torch.Tensor, residual: torch.Tensor, grad: torch.Tensor,
                         codes: dict[str, torch.Tensor], step: int, index_base: int, hyper: dict,
                         scale: float | torch.Tensor = 1.0) -> None:  # fmt: skip
-    """One step, in place, of masters kept as (bf16 `weight`, int8 `residual`) with 8-bit moments `codes`: the
-    new master is rounded to 24 bits with the kernel's noise, then split into the weight (the nearest) and the
-    residual. The same bits as the CPU kernel on the same masters in its (hi, lo) form."""
-    master = weight_master.decode(weight, residual)
-    p_new, encoded, bits = adam_step(master, grad, codes, step, index_base, hyper, scale)
-    hi, lo = compact.encode_master(p_new, bits & 0xFF)
-    new_weight, new_residual = weight_master.split(hi, lo)
-    weight.copy_(new_weight)
-    residual.copy_(new_residual)
-    for key in CODE_KEYS:
-        codes[key].copy_(encoded[key])
+    """:func:`residual_step_` from a step count, the element's index and the hyper-parameters."""
+    meta = torch.tensor([index_base, compact.key(step)], device=weight.device)
+    residual_step_(weight, residual, grad, [codes[k] for k in CODE_KEYS], constants(step, hyper, weight.device),
+                   multiplier(scale), meta, uses_l2(hyper))  # fmt: skip

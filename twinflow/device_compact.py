@@ -48,8 +48,7 @@ class CompactSegment:
 
     def batches(self, size: int = BATCH) -> list[tuple[int, int]]:
         """[a, b) ranges of at most `size` elements (a multiple of the block) covering the segment."""
-        n = self.seg.numel
-        return [(a, min(n, a + size)) for a in range(0, n, size)]
+        return compact.spans(self.seg.numel, size)
 
     def codes_of(self, a: int, b: int) -> list[torch.Tensor]:
         """The codes and block scales of elements [a, b) (a at a block's start)."""
@@ -72,28 +71,6 @@ def new_segment(seg: Segment, flat: torch.Tensor, precision: str) -> CompactSegm
         master = flat.float()
     codes = [t.to(flat.device) for t in compact.fresh(seg.numel)]
     return CompactSegment(seg, flat, master, residual, codes)
-
-
-def _residual_step(weight, residual, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN202 (compiled)
-    master = weight_master.decode(weight, residual)
-    p_new, m_new, v_new = compact_step.update(master, grad, codes, c, scale, l2)
-    bits = compact_step.noise(meta[0], weight.numel(), meta[1], weight.device)
-    encoded = compact.encode(m_new, v_new, bits)
-    new_weight, new_residual = weight_master.split(*compact.encode_master(p_new, bits & 0xFF))
-    weight.copy_(new_weight)
-    residual.copy_(new_residual)
-    for target, value in zip(codes, encoded):
-        target.copy_(value)
-
-
-def _master_step(master, weight_out, grad, codes, c, scale, meta, l2):  # noqa: ANN001, ANN202 (compiled)
-    p_new, m_new, v_new = compact_step.update(master, grad, codes, c, scale, l2)
-    encoded = compact.encode(m_new, v_new, compact_step.noise(meta[0], master.numel(), meta[1], master.device))
-    master.copy_(p_new)
-    if weight_out is not None:
-        weight_out.copy_(p_new)  # the weight: the master rounded to its dtype (to the nearest, ties to even)
-    for target, value in zip(codes, encoded):
-        target.copy_(value)
 
 
 class Compiled:
@@ -124,8 +101,8 @@ def step_functions(device: torch.device) -> tuple[Callable, Callable]:
     """The two steps (residual form, float32 master) for `device`: compiled on a GPU, eager elsewhere (the CPU
     suite checks these eager steps against the kernel, and the GPU suite the compiled ones against them)."""
     if device.type != "cuda":
-        return _residual_step, _master_step
-    return Compiled(_residual_step), Compiled(_master_step)
+        return compact_step.residual_step_, compact_step.master_step_
+    return Compiled(compact_step.residual_step_), Compiled(compact_step.master_step_)
 
 
 class CompactDeviceState:
@@ -133,7 +110,6 @@ class CompactDeviceState:
 
     def __init__(self, segments: list[Segment], weights: list[torch.Tensor], precision: str) -> None:
         self.weights = weights
-        self.precision = precision
         self.states = [new_segment(seg, weights[seg.index].view(-1)[seg.start : seg.end], precision)
                        for seg in segments]  # fmt: skip
         self.of = {st.seg.index: st for st in self.states}
@@ -144,9 +120,7 @@ class CompactDeviceState:
     @property
     def state_bytes(self) -> int:
         """Device memory of the masters beside the weights, the residuals and the moments."""
-        return sum((st.master.nbytes if st.master is not None else 0)
-                   + (st.residual.nbytes if st.residual is not None else 0)
-                   + sum(t.nbytes for t in st.codes) for st in self.states)  # fmt: skip
+        return sum(t.nbytes for t in self.tensors())
 
     def holds(self, i: int) -> bool:
         return i in self.of
@@ -179,7 +153,7 @@ class CompactDeviceState:
         decoded a batch at a time (the device holds one batch of float32 at most)."""
         st = self.of[i]
         out = torch.empty(st.seg.numel, dtype=F32) if out is None else out
-        for a, b in st.batches(compact.COPY_ELEMENTS):
+        for a, b in st.batches(compact.COPY_ELEMENTS):  # small batches: decoding's int64 scratch stays bounded
             codes = st.codes_of(a, b)
             if key == "master":
                 part = st.master_of(a, b)
@@ -245,9 +219,12 @@ class CompactDeviceState:
             by_group.setdefault(group_of[st.seg.index], []).append(st)
         for gi, group_states in by_group.items():
             hyper, work, consts, meta = groups[gi], [], [], []
+            per_count: dict[int, tuple[list[float], int]] = {}  # the segments of a group mostly share their count
             for st in group_states:
                 st.count += 1
-                values, key = compact_step.constant_values(st.count, hyper), compact.key(st.count)
+                if st.count not in per_count:
+                    per_count[st.count] = compact_step.constant_values(st.count, hyper), compact.key(st.count)
+                values, key = per_count[st.count]
                 grad = grad_of(st.seg.index).reshape(-1)[st.seg.start : st.seg.end]
                 for a, b in st.batches():
                     work.append((st, a, b, grad[a:b]))

@@ -96,8 +96,7 @@ class Int8Codec:
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
         k = 0 if key == "exp_avg" else 2
         for pc in pieces:
-            for a in range(0, pc.numel, compact.COPY_ELEMENTS):  # a multiple of the block: scales slice cleanly
-                b = min(pc.numel, a + compact.COPY_ELEMENTS)
+            for a, b in compact.spans(pc.numel):  # each a at a block's start: the scales slice cleanly
                 if key == "master":
                     m = self.masters[pc.id][a:b]
                     part = m.float() if isinstance(m, compact.Master24) else m

@@ -264,9 +264,10 @@ class SplitState:
         for side in self.sides(i):
             start, end = side.range(i)
             side.write(i, {k: v[start:end] if v is not None else None for k, v in flat.items()})
-        if followed or (entry is None and self.device_state is not None and self.device_state.holds(i)):
-            # our own writes (a side that keeps the master in the weight writes it): noted only after them, and
-            # only then, or an outside write before them would hide
+        if followed or entry is None:
+            # our own writes (a side that keeps the master in the weight writes it), noted after them; only where
+            # the masters now follow the weights (taken from them, or set with them), or an outside write before
+            # them would hide
             self.versions.note(i)
         self.generation += 1
 

@@ -68,7 +68,6 @@ def weight_of(master: torch.Tensor) -> torch.Tensor:
     sides give a bf16 parameter under "int8_m24" this weight."""
     flat = master.reshape(-1)
     out = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
-    for a in range(0, flat.numel(), compact.COPY_ELEMENTS):  # a batch at a time: bounded integer scratch
-        b = min(flat.numel(), a + compact.COPY_ELEMENTS)
+    for a, b in compact.spans(flat.numel()):
         out[a:b] = split(*compact.encode_master(flat[a:b]))[0]
     return out.view(master.shape)
