@@ -33,6 +33,18 @@ def test_train_small_runs_and_loss_falls() -> None:
     assert abs(summary["split"]["ratio_achieved"] - 0.4) < 0.01
 
 
+def test_rl_colocate_cycles_the_state_between_rollouts_and_keeps_the_losses() -> None:
+    """The example's own check (identical losses with and without the offload) and its figures."""
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_colocate.py"), "--iterations", "3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout[run.stdout.index("{") :])
+    assert summary["identical_losses"] and summary["losses"] == summary["straight_losses"]
+    assert len(set(summary["losses"])) == 3  # a real run: the losses differ from step to step
+    assert len(summary["cycles"]) == 3 and all(c["bytes"] > 0 and c["reload_s"] >= 0 for c in summary["cycles"])
+    assert len({c["bytes"] for c in summary["cycles"]}) == 1  # the same state and gradients, every cycle
+
+
 def test_tune_cli_prints_a_recommendation_and_the_table(tmp_path: Path) -> None:
     table = tmp_path / "tune.json"
     done = subprocess.run(

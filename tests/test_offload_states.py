@@ -1,6 +1,8 @@
 """TwinFlowAdam.offload_states() / reload_states(): the device share's state, the gradients and the weights leave
 for one reused host buffer and come back into the same tensors; training resumes bit for bit."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,8 +91,8 @@ def test_the_memory_is_freed_and_given_back_into_the_same_tensors() -> None:
     assert opt.offload_states() == 0  # a second offload moves nothing
     with pytest.raises(RuntimeError, match=r"step\(\) while the optimizer's device state is offloaded.*reload_states"):
         opt.step()
-    with pytest.raises(RuntimeError, match=r"state_dict\(\) while .*reload_states\(\) first"):
-        opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) while .*reload_states\(\) first"):
+        opt.load_state_dict(opt.state_dict())
     assert opt.reload_states() == expected
     assert opt.reload_states() == 0  # nothing out: nothing to do
     assert all(a.equal(b) for a, b in zip(owned, before))
@@ -138,3 +140,211 @@ def test_on_the_gpu_the_memory_goes_back_to_the_driver_and_training_resumes_bit_
     for moved, given_back, allocations in freed:
         assert moved > 0 and given_back >= 0.95 * moved, freed  # back to the driver: another process may use it
         assert allocations == 1
+
+
+def trained(ratio: float, precision: str, steps: int = 3, device: str = "cpu") -> tuple[torch.nn.Module, TwinFlowAdam]:
+    model = make().to(device)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio, state_precision=precision)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = batch(gen)
+        F.mse_loss(model(x.to(device)).float(), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def in_buffer(opt: TwinFlowAdam, t: torch.Tensor) -> bool:
+    start = opt.offload.buffer.data_ptr()
+    return start <= t.data_ptr() < start + opt.offload.buffer.numel()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_state_dict_opt_state_and_checkpoints_are_read_while_offloaded(
+    tmp_path, precision: str, ratio: float, weights: bool, device: str
+) -> None:
+    from twinflow.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = trained(ratio, precision, device=device)
+    want = copy.deepcopy(opt.state_dict())
+    save_checkpoint(tmp_path, "here", model=model, optimizer=opt)
+    assert opt.offload_states(weights=weights) > 0
+    got = opt.state_dict()  # no reload: read where the state is
+    assert opt.offload.offloaded
+    for pid, entry in want["state"].items():
+        for key, value in entry.items():
+            assert got["state"][pid][key].cpu().equal(value.cpu()), (pid, key)
+            assert not in_buffer(opt, got["state"][pid][key])  # a copy: the next offload overwrites the buffer
+    for p in model.parameters():
+        assert opt.state[p]["exp_avg"].cpu().equal(want["state"][opt.coordinator.split.index[id(p)]]["exp_avg"].cpu())
+    save_checkpoint(tmp_path, "away", model=model, optimizer=opt)  # the weights read where they are, too
+    assert opt.offload.offloaded
+    opt.reload_states()
+    for tag in ("here", "away"):  # both load into a fresh pair to the same model and state
+        fresh = make(seed=7).to(device)
+        fresh_opt = TwinFlowAdam(fresh.parameters(), lr=1e-2, ratio=ratio, state_precision=precision)
+        load_checkpoint(tmp_path, tag, model=fresh, optimizer=fresh_opt)
+        assert all(a.equal(b) for a, b in zip(fresh.parameters(), model.parameters()))
+        loaded = fresh_opt.state_dict()["state"]
+        assert all(loaded[pid][k].cpu().equal(v.cpu()) for pid, e in want["state"].items() for k, v in e.items()), tag
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_an_in_place_write_to_opt_state_while_offloaded_lands_and_assignments_wait(tmp_path, precision) -> None:
+    from twinflow.checkpoint import load_checkpoint, save_checkpoint
+
+    def edit(offloaded: bool) -> dict:
+        model, opt = trained(0.5, precision)
+        save_checkpoint(tmp_path, "t", model=model, optimizer=opt)
+        if offloaded:
+            opt.offload_states(weights=True)
+            before = copy.deepcopy(opt.state_dict())
+            p = next(model.parameters())
+            with pytest.raises(RuntimeError, match=r"opt.state\[p\] written for parameter 0 .*reload_states"):
+                opt.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            with pytest.raises(RuntimeError, match=r"load_checkpoint\(\) while .*reload_states"):
+                load_checkpoint(tmp_path, "t", model=model, optimizer=opt)
+            after = opt.state_dict()
+            assert all(after["state"][i][k].equal(v) for i, e in before["state"].items() for k, v in e.items())
+        for p in model.parameters():
+            opt.state[p]["exp_avg"].mul_(-2)  # a copy while offloaded: it lands in the buffer at the reload
+        if offloaded:
+            opt.reload_states()
+        gen = torch.Generator().manual_seed(9)
+        x, y = batch(gen)
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        return copy.deepcopy(opt.state_dict()["state"])
+
+    straight, cycled = edit(False), edit(True)
+    assert all(cycled[i][k].equal(v) for i, e in straight.items() for k, v in e.items())
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
+def test_an_offload_while_a_speculative_step_is_pending_resumes_bit_for_bit(clip: float) -> None:
+    """Attached and speculating: gradients have landed and the CPU has stepped out of place before step(); the
+    offload and reload in between change no bit of what step() then makes."""
+    from tests.test_speculation import drain
+
+    def go(cycle: bool) -> list[torch.Tensor]:
+        model = make()
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", max_grad_norm=clip,
+                           speculate=True, chunk_bytes=1024).attach(model)  # fmt: skip
+        opt.coordinator.speculation.off_after = 10**9  # speculates on every step, also while steps clip
+        gen = torch.Generator().manual_seed(1)
+        for k in range(3):
+            x, y = batch(gen)
+            F.mse_loss(model(x).float(), y).backward()
+            drain(opt)  # every chunk stepped out of place; step() gives the verdict
+            if cycle:
+                assert opt.offload_states() > 0
+                opt.reload_states()
+            opt.step()
+            opt.synchronize()  # the verdict has been given
+            assert opt.coordinator.host.speculative.speculated_chunks == (k + 1) * opt.coordinator.host.chunk_count
+            opt.zero_grad()
+        opt.synchronize()
+        return bits(model, opt)
+
+    assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))
+
+
+def test_the_engine_takes_deepspeeds_names() -> None:
+    import twinflow
+
+    def go(cycle: bool, include: object) -> list[torch.Tensor]:
+        model = make()
+        config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "offload_ratio": 0.5,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+        engine, opt, *_ = twinflow.initialize(model=model, config=config)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = batch(gen)
+            engine.backward(F.mse_loss(engine(x).float(), y))
+            engine.step()
+            if cycle:
+                moved = engine.offload_states(include=include)
+                weights_out = model[0].weight.untyped_storage().nbytes() == 0
+                assert moved > 0 and weights_out == (include is None or "lp_params" in include)
+                assert engine.reload_states() == moved
+        engine.local_optimizer.synchronize()  # attached: the last step's weights are back before they are read
+        return bits(model, engine.local_optimizer)
+
+    straight = go(False, None)
+    for include in (None, ["optim_states", "lp_grads"], ("hp_params", "lp_params", "contiguous_grad_buffer")):
+        assert all(a.equal(b) for a, b in zip(straight, go(True, include), strict=True)), include
+    engine, *_ = twinflow.initialize(model=make(), config={"train_micro_batch_size_per_gpu": 8, "offload_ratio": 0.5})
+    with pytest.raises(ValueError, match=r"'activations' is not one of .*DeepSpeed's .*'optim_states'"):
+        engine.offload_states(include=["optim_states", "activations"])
+    with pytest.raises(ValueError, match=r"device='nvme'.*host memory only.*device=\"cpu\""):
+        engine.offload_states(device="nvme")
+    assert not engine.local_optimizer.offload.offloaded
+
+
+def _ranks_worker(rank: int, port: int, how: str, out: str) -> None:
+    import os
+
+    from tests.test_ddp_attach import batches, make_model, wrap
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results = []
+        for cycle in (False, True):
+            model = make_model()
+            net = wrap(model, how)
+            opt = TwinFlowAdam(model.parameters(), lr=3e-3, ratio=0.5, chunk_bytes=512).attach(net)
+            moved = []
+            for k, (x, y) in enumerate(batches()):
+                F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
+                if cycle and k == 1:  # reduced gradients present (DDP's bucket views, FSDP2's shards)
+                    moved.append(opt.offload_states())
+                    opt.reload_states()
+                opt.step()
+                opt.zero_grad()
+                if cycle and k in (2, 4):
+                    moved.append(opt.offload_states(weights=True))  # FSDP2: this rank's shards
+                    opt.state_dict()  # read while offloaded
+                    opt.reload_states()
+                elif k in (2, 4):
+                    opt.synchronize()
+            opt.synchronize()
+            whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+            state = [t for e in opt.state_dict()["state"].values() for t in (e["exp_avg"], e["exp_avg_sq"])]
+            results.append([t.clone() for t in whole + state] + [torch.tensor(moved or [0])])
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    os._exit(0)  # as tests/test_ddp_attach.py: gloo's teardown can abort now and then
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_each_ranks_share_cycles_bit_for_bit_under_ddp_and_fsdp2(tmp_path, how: str) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.test_ddp_attach import free_port
+
+    mp.spawn(_ranks_worker, args=(free_port(), how, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        straight, cycled = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert len(straight) == len(cycled) > 1
+        differ = [k for k, (a, b) in enumerate(zip(straight[:-1], cycled[:-1], strict=True)) if not a.equal(b)]
+        assert not differ, (how, rank, differ)
+        assert (cycled[-1] > 0).all() and len(cycled[-1]) == 3
+
+
+def test_the_weights_stay_while_a_step_is_under_way() -> None:
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0).attach(model)
+    x, y = batch(torch.Generator().manual_seed(1))
+    F.mse_loss(model(x).float(), y).backward()  # gradients streamed: the step is open
+    with pytest.raises(RuntimeError, match=r"weights=True\) between backward and step\(\).*call step\(\) first"):
+        opt.offload_states(weights=True)
+    assert not opt.offload.offloaded and all(p.untyped_storage().nbytes() for p in model.parameters())
+    assert opt.offload_states() > 0  # the state and the gradients may go
+    opt.reload_states()
+    opt.step()

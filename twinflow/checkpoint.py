@@ -75,9 +75,10 @@ from twinflow.version import __version__
 __all__ = ["CheckpointError", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 
-def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state as this rank holds it: local shards of FSDP2's DTensors, plain tensors otherwise."""
-    return {key: local(value) for key, value in model.state_dict().items()}
+def _local_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, torch.Tensor]:
+    """The model's state as this rank holds it (FSDP2: local shards), read where ``offload_states`` moved it."""
+    view = optimizer.offload.host_view if isinstance(optimizer, TwinFlowAdam) else lambda t: t
+    return {key: view(local(value)) for key, value in model.state_dict().items()}
 
 
 def _check_tag(tag: Any) -> None:
@@ -208,7 +209,7 @@ def save_checkpoint(
             if callable(getattr(optimizer, "synchronize", None)):
                 optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
             shard = {
-                "model": _local_state(model),
+                "model": _local_state(model, optimizer),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra,
             }
@@ -385,6 +386,8 @@ def load_checkpoint(
     (TwinFlowAdam's state dict is ratio-independent); a compact shard loads
     into any optimizer (decoded in memory unless it is a compact TwinFlowAdam).
     """
+    if isinstance(optimizer, TwinFlowAdam):
+        optimizer.offload.check("load_checkpoint()")  # before anything changes
     start = time.monotonic()
     directory = Path(directory)
     if directory.is_dir():
@@ -438,8 +441,7 @@ def load_checkpoint(
 
 def _check_fits(tag: str, saved: dict[str, torch.Size], current: dict[str, torch.Tensor], saved_scheduler: bool,
                 scheduler: Any | None) -> None:  # fmt: skip
-    """CheckpointError unless the saved model's keys and shapes are the model's, and a scheduler was saved
-    exactly when one is given."""
+    """CheckpointError unless the saved model's keys and shapes are the model's, and a scheduler saved if given."""
     if set(saved) != set(current):
         missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
         raise CheckpointError(
@@ -455,10 +457,9 @@ def _check_fits(tag: str, saved: dict[str, torch.Size], current: dict[str, torch
 
 
 def _not_fitting(tag: str, exc: Exception) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {tag!r}: the optimizer state does not fit: {exc}. The checkpoint is damaged or was saved "
-        "with another optimizer or model: load another tag, or build the model and optimizer it was saved with"
-    )
+    return CheckpointError(f"checkpoint {tag!r}: the optimizer state does not fit: {exc}. The checkpoint is damaged or "
+                           "was saved with another optimizer or model: load another tag, or build the model and "
+                           "optimizer it was saved with")  # fmt: skip
 
 
 def _load_shard(tag: str, shard: Any, where: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -126,7 +126,7 @@ class Part:
 
 def parts_of(split: SplitState, i: int) -> list[Part]:
     """Parameter i's parts on both sides, in order: they cover it."""
-    flat = split.locals[i].view(-1)
+    flat = split.weight(i).view(-1)
     parts = []
     for side in split.sides(i):
         if isinstance(side, HostState):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ class CompactSegment:
     def master_of(self, a: int, b: int) -> torch.Tensor:
         """The float32 masters of elements [a, b) (a view where float32 is kept)."""
         if self.residual is not None:
-            return weight_master.decode(self.weight[a:b], self.residual[a:b])
+            return weight_master.decode(self.weight[a:b].to(self.residual.device), self.residual[a:b])
         return (self.master if self.master is not None else self.weight)[a:b]
 
 
@@ -205,6 +205,18 @@ class CompactDeviceState:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this side owns (not the weights, which hold masters in part)."""
         return [t for st in self.states for t in (st.master, st.residual, *st.codes) if t is not None]
+
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CompactDeviceState:
+        """The same state over `fn(t)` for every tensor t it holds, the weights included, its arithmetic on the
+        host (``offload_states()``: host views of the moved bytes)."""
+        other = CompactDeviceState.__new__(CompactDeviceState)
+        other.weights, other.device = [fn(w) for w in self.weights], torch.device("cpu")
+        other.states = [replace(st, weight=fn(st.weight), master=None if st.master is None else fn(st.master),
+                                residual=None if st.residual is None else fn(st.residual),
+                                codes=[fn(c) for c in st.codes]) for st in self.states]  # fmt: skip
+        other.of = {st.seg.index: st for st in other.states}
+        other.residual_step, other.master_step = step_functions(other.device)
+        return other
 
     def stepped(self, with_grad: set[int]) -> list[CompactSegment]:
         return [st for st in self.states if st.seg.index in with_grad]

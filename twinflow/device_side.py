@@ -89,6 +89,16 @@ class DeviceState:
         return [t for st in self.states for t in (st.master, st.exp_avg, st.exp_avg_sq, st.device_step)
                 if t is not st.master or not self.master_is_weight(st.seg.index)]  # fmt: skip
 
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> DeviceState:
+        """The same state over `fn(t)` for every tensor t it holds, the weights included (``offload_states()``:
+        host views of the moved bytes)."""
+        other = DeviceState.__new__(DeviceState)
+        other.weights = [fn(w) for w in self.weights]
+        other.states = [SegmentState(st.seg, fn(st.master), fn(st.exp_avg), fn(st.exp_avg_sq), fn(st.device_step))
+                        for st in self.states]  # fmt: skip
+        other.of = {st.seg.index: st for st in other.states}
+        return other
+
     def stepped(self, with_grad: set[int]) -> list[SegmentState]:
         return [st for st in self.states if st.seg.index in with_grad]
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from twinflow import offload_states
 from twinflow.checkpoint import load_checkpoint, save_checkpoint
 from twinflow.config import Config, ConfigError, load_config
 from twinflow.distributed import rank_and_world
@@ -256,6 +257,25 @@ class Engine:
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.progress.step_done(self.global_steps, self.skipped_steps, lrs, grad_norm,
                                 print_now=self.global_steps % self.config.steps_per_print == 0)  # fmt: skip
+
+    # ------------------------------------------------------ between phases
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> int:  # fmt: skip
+        """DeepSpeed's ``engine.offload_states``: frees the device for another phase (an RL rollout) through
+        :meth:`TwinFlowAdam.offload_states`. `include` takes DeepSpeed's names (``optim_states``, ``hp_params``,
+        ``lp_grads``, ``contiguous_grad_buffer``, ``lp_params``) or ours (``optimizer``, ``grads``,
+        ``weights``); None moves all three. The buffer is always pinned on a GPU and the copies finished on
+        return (`pin_memory` and `non_blocking` are accepted for DeepSpeed's signature). Under ZeRO-1 this
+        rank's optimizer moves the weights of its own share. Returns the bytes moved."""
+        if str(getattr(device, "value", device)) != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): states move to host memory only; pass "
+                             'device="cpu"')  # fmt: skip
+        kinds, weights = offload_states.engine_include(include)
+        return self.local_optimizer.offload_states(kinds, weights=weights)
+
+    def reload_states(self, non_blocking: bool = False) -> int:
+        """DeepSpeed's ``engine.reload_states``: what :meth:`offload_states` moved comes back; returns the bytes."""
+        return self.local_optimizer.reload_states()
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:

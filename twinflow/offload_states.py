@@ -4,10 +4,16 @@ The device share's optimizer state (masters, moments or compact codes, step coun
 asked, the weights move into **one** host buffer, allocated on first use (pinned when a GPU is there) and reused
 by every later offload of no more bytes, with non-blocking copies on a side stream; then each tensor's storage
 is resized to nothing, so the caching allocator gets the memory back, and ``torch.cuda.empty_cache()`` hands it
-to the driver for another process. :meth:`StateOffload.reload` resizes each storage again and copies its bytes
-back: every tensor object and view stays the one it was (hooks, ``attach()``, schedulers and compiled graphs
-hold the same tensors), and training resumes bit for bit. A storage's device address may change across a
-cycle: CUDA graphs captured over these tensors must be captured again.
+to the driver for another process. :func:`reload` resizes each storage again and copies its bytes back: every
+tensor object and view stays the one it was (hooks, ``attach()``, schedulers and compiled graphs hold the same
+tensors), and training resumes bit for bit. A storage's device address may change across a cycle: CUDA graphs
+captured over these tensors must be captured again.
+
+While the state is out, the optimizer reads it where it is: a stand-in of the device state over host views of
+the buffer (:meth:`StateOffload.host_view`) serves ``opt.state``, ``state_dict()``, copies and checkpoints
+(copies, never views of the buffer, which the next offload overwrites), and an in-place write to a copy
+``opt.state`` handed out lands in the buffer before it goes back. Steps, loads and assignments wait for
+``reload_states()``.
 
 The CPU share's state lives in host memory already and does not move.
 """
@@ -20,8 +26,11 @@ from typing import Any
 
 import torch
 
+from twinflow import distributed
+
 log = logging.getLogger(__name__)
 KINDS = ("optimizer", "grads")
+ALIGN = 64  # each storage's place in the buffer starts at a multiple: a host view of any dtype is aligned
 
 
 def check_include(include: object) -> tuple[str, ...]:
@@ -36,6 +45,31 @@ def check_include(include: object) -> tuple[str, ...]:
     return items
 
 
+# DeepSpeed's names (its OffloadStateTypeEnum's values) for what ``engine.offload_states(include=...)`` moves
+ENGINE_NAMES = {"optim_states": "optimizer", "hp_params": "optimizer", "lp_grads": "grads",
+                "contiguous_grad_buffer": "grads", "lp_params": "weights"}  # fmt: skip
+
+
+def engine_include(include: object) -> tuple[tuple[str, ...], bool]:
+    """An engine's `include` (DeepSpeed's names or ours, ``"weights"`` among them; None: everything) as
+    (:data:`KINDS` to move, whether the weights move), or ValueError naming the offending entry."""
+    if include is None:
+        return KINDS, True
+    items = [include] if isinstance(include, str) else include
+    if not isinstance(items, list | tuple | set | frozenset):
+        items = [items]  # one enum member
+    names = [ENGINE_NAMES.get(str(getattr(k, "value", k)), str(getattr(k, "value", k))) for k in items]
+    for name, given in zip(names, items):
+        if name not in (*KINDS, "weights"):
+            raise ValueError(f"offload_states(include=...): {given!r} is not one of {(*KINDS, 'weights')} or "
+                             f"DeepSpeed's {tuple(ENGINE_NAMES)}; pass None to move everything")  # fmt: skip
+    return tuple(dict.fromkeys(n for n in names if n != "weights")), "weights" in names
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 class StateOffload:
     """Owns the host buffer and what is out: per storage, its offset in the buffer and its size."""
 
@@ -43,9 +77,10 @@ class StateOffload:
         self.buffer: torch.Tensor | None = None  # uint8, host; pinned when the tensors are on a GPU
         self.allocations = 0  # how many times the buffer was (re)allocated: once, in steady use
         self.out: list[tuple[torch.UntypedStorage, int, int]] = []
+        self.place: dict[int, tuple[int, int]] = {}  # id(storage) -> (offset, bytes), while out
 
     def check(self, what: str) -> None:
-        """Raises while the state is out: `what` would read or write tensors that have no memory now."""
+        """Raises while the state is out: `what` would write tensors that have no memory now."""
         if self.out:
             raise RuntimeError(f"{what} while the optimizer's device state is offloaded (offload_states()); call "
                                "reload_states() first")  # fmt: skip
@@ -57,6 +92,16 @@ class StateOffload:
     @property
     def offloaded_bytes(self) -> int:
         return sum(n for _, _, n in self.out)
+
+    def host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself unless its storage is out; then a host tensor over its bytes in the buffer, with its dtype,
+        shape, strides and offset (reads see the moved values, writes reach what ``reload`` brings back)."""
+        where = self.place.get(id(t.untyped_storage()))
+        if where is None:
+            return t
+        offset, n = where
+        flat = self.buffer[offset : offset + n].view(t.dtype)  # as_strided's offset counts from the buffer's start
+        return flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset())
 
     def _room(self, nbytes: int, size: int, cuda: bool) -> torch.Tensor:
         """The buffer, made (`size` bytes) where there is none or it holds less than `nbytes`."""
@@ -73,23 +118,25 @@ class StateOffload:
         storages: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
             s = t.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in storages:
-                storages[s.data_ptr()] = s
+            if s.nbytes():
+                storages.setdefault(id(s), s)
         if not storages:
             return 0
         cuda = any(s.device.type == "cuda" for s in storages.values())
         total = sum(s.nbytes() for s in storages.values())
-        buffer = self._room(total, max(total, reserve), cuda)
+        room = sum(_aligned(s.nbytes()) for s in storages.values())
+        buffer = self._room(room, max(room, reserve), cuda)
         stream = torch.cuda.Stream() if cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())  # the copies read what the compute stream wrote
+        if stream is not None:  # every stream's work on these tensors is done (a step's gradient downloads too)
+            torch.cuda.synchronize(stream.device)
         offset = 0
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for s in storages.values():
+            for key, s in storages.items():
                 n = s.nbytes()
                 buffer[offset : offset + n].copy_(_bytes(s), non_blocking=cuda)
                 self.out.append((s, offset, n))
-                offset += n
+                self.place[key] = (offset, n)
+                offset += _aligned(n)
         if stream is not None:
             stream.synchronize()  # the bytes are on the host before the device memory is handed back
         for s, _, _ in self.out:
@@ -114,7 +161,7 @@ class StateOffload:
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)  # the compute stream sees the bytes before it reads
             stream.synchronize()  # and the buffer may be written again by the next offload
-        self.out = []
+        self.out, self.place = [], {}
         return total
 
 
@@ -131,15 +178,40 @@ def offload(opt: Any, include: object, weights: bool) -> int:
         return 0
     opt.synchronize()  # a delayed update, a speculative step or an attached step in flight lands first
     split = opt.coordinator.split
+    if not split.built:
+        log.info("offload_states(): no state yet (ratio='auto' builds it at the first step); nothing moved")
+        return 0
+    if split.step_open and weights:  # the CPU share may be stepping, and writing its weights, right now
+        raise RuntimeError("offload_states(weights=True) between backward and step(): the CPU share may be "
+                           "writing the weights; call step() first (the state and gradients may move now)")  # fmt: skip
+    if not split.step_open:
+        split.settle_state()
+        split.absorb_edits()  # in-place writes to opt.state's copies reach the state before it moves
     kept: list[torch.Tensor] = []  # what is always there: the state, and the weights if asked
-    if "optimizer" in kinds and split.device_state is not None:
+    if "optimizer" in kinds:
         kept += split.device_state.tensors()
     if weights:
         kept += list(split.locals)
-    grads = [g for g in (p.grad for p in split.params) if g is not None] if "grads" in kinds else []
+    grads = [distributed.local(p.grad) for p in split.params if p.grad is not None] if "grads" in kinds else []
     # the buffer is made for the largest offload: every trainable parameter's gradient present
-    grad_bytes = sum(p.numel() * p.element_size() for p, q in zip(split.locals, split.params) if q.requires_grad)
-    reserve = sum(t.untyped_storage().nbytes() for t in kept) + (grad_bytes if "grads" in kinds else 0)
+    grad_bytes = sum(_aligned(p.numel() * p.element_size()) for p, q in zip(split.locals, split.params)
+                     if q.requires_grad)  # fmt: skip
+    unique = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in kept}
+    reserve = sum(map(_aligned, unique.values())) + (grad_bytes if "grads" in kinds else 0)
     moved = opt.offload.offload(kept + grads, reserve)
+    if moved:
+        split.stand_in(split.device_state.mapped(opt.offload.host_view))
     log.info("offload_states(): %.2f GiB moved to host memory", moved / 2**30)
+    return moved
+
+
+def reload(opt: Any) -> int:
+    """TwinFlowAdam.reload_states: the bytes come back, and the device state takes its place again."""
+    if not opt.offload.offloaded:
+        return 0
+    split = opt.coordinator.split
+    if not split.step_open:
+        split.absorb_edits()  # writes to copies opt.state handed out while offloaded: into the buffer first
+    moved = opt.offload.reload()
+    split.come_back()
     return moved

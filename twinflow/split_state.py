@@ -89,6 +89,7 @@ class SplitState:
         self.versions = WeightVersions(self.locals)
         self.host: HostState | None = None  # the CPU share's masters and moments (None: no CPU share)
         self.device_state: device_side.DeviceState | CompactDeviceState | None = None  # None until build()
+        self.away: device_side.DeviceState | CompactDeviceState | None = None  # the owner, while a stand-in serves
         self.writer: HostSide | NoHost = NO_HOST  # what steps the CPU share's state: settled before it is read
         self.planned: set[int] = set()
         self.fully_cpu: set[int] = set()
@@ -126,6 +127,31 @@ class SplitState:
         self.fully_cpu = {i for i in self.planned if self.host is not None and self.host.holds(i)
                           and not self.device_state.holds(i)}  # fmt: skip
         return pieces
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether a stand-in over host memory serves the device state (``offload_states()``)."""
+        return self.away is not None
+
+    def weight(self, i: int) -> torch.Tensor:
+        """Parameter i as this process holds it, where it can be read now (host memory while offloaded)."""
+        return self.device_state.weights[i] if self.offloaded else self.locals[i]
+
+    def stand_in(self, mirror: device_side.DeviceState | CompactDeviceState) -> None:
+        """``offload_states()``: `mirror`, the device state over host views of the moved bytes, serves reads and
+        in-place writes until :meth:`come_back`; ``opt.state`` takes its entries again (copies, not views)."""
+        self.away, self.device_state = self.device_state, mirror
+        self.generation += 1
+        self.handed.clear()
+
+    def come_back(self) -> None:
+        """``reload_states()``, once the bytes are back: the owner serves again, with the step counts (a write
+        to ``opt.state[p]["step"]`` while offloaded reached the stand-in's)."""
+        self.device_state, self.away = self.away, None
+        for i in range(len(self.params)):
+            self.device_state.set_step(i, self.steps[i])
+        self.generation += 1
+        self.handed.clear()
 
     def sides(self, i: int) -> list[HostState | device_side.DeviceState | CompactDeviceState]:
         """The state owners holding part of parameter i (none for a frozen one)."""
@@ -183,7 +209,7 @@ class SplitState:
         p, sides = self.locals[i], self.sides(i)
         entry, copies = {"step": torch.tensor(float(self.steps[i]))}, ["step"]
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
-            live = sides[0].view(i, key) if len(sides) == 1 else None
+            live = sides[0].view(i, key) if len(sides) == 1 and not self.offloaded else None
             if live is not None:
                 entry[key] = live.view(p.shape)
                 continue

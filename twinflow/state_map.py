@@ -208,6 +208,9 @@ class StateMap(dict):
                 "TwinFlowAdam has no state yet (ratio='auto' builds it at the first step()); write opt.state "
                 "after the first step, or give a ratio"
             )
+        if split.offloaded:
+            raise RuntimeError(f"opt.state[p] written for {self.describe(param)} while the optimizer's device "
+                               "state is offloaded (offload_states()); call reload_states() first")  # fmt: skip
         split.check_settled()
         split.settle()
         split.absorb_edits()  # an earlier in-place write lands first; this one then goes over it

@@ -295,8 +295,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's ``state_dict`` (its hooks run), once the CPU share's last step has finished; it loads
         under another ratio or placement and into ``torch.optim.AdamW`` (which ignores ``master``)."""
-        split = self.coordinator.split
-        self.offload.check("state_dict()")
+        split = self.coordinator.split  # while offloaded, read where the state is (host memory)
         split.check_settled()
         split.settle_state()
         split.absorb_edits()  # in-place writes to opt.state's copies, in the precision the state keeps
@@ -306,6 +305,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """torch.optim's ``load_state_dict`` (its hooks run) of a TwinFlowAdam, CPUAdam or torch Adam(W) state
         dict, under any ratio or placement (with ratio='auto', before the first step: applied once it builds the
         state); everything is checked before anything changes."""
+        self.offload.check("load_state_dict()")
         self.coordinator.split.check_settled(unbuilt_ok=True)
         self.synchronize()
         # Ours runs after every user pre-hook (they may rewrite the state dict); the tensors go straight into our
@@ -343,7 +343,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def reload_states(self) -> int:
         """Brings back what :meth:`offload_states` moved, into the same tensors; returns the bytes."""
-        return self.offload.reload()
+        return offload_states.reload(self)
 
 
 def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
