@@ -261,3 +261,23 @@ def test_fsdp2_post_optim_event_still_waits_for_the_cpu_share(lazy_cpu_side, pla
             torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_the_clipping_norm_does_not_depend_on_the_order_gradients_arrive_in() -> None:
+    """Under DDP the buckets' reductions may finish in either order: the total norm must come out the same, to
+    the bit, whatever the order the streamed gradients' norms were noted in."""
+    from twinflow.step_scale import StepScale
+
+    gen = torch.Generator().manual_seed(3)
+    sizes, spreads = torch.randint(1, 500, (64,), generator=gen), torch.rand(64, generator=gen) * 100
+    grads = [torch.randn(int(n), generator=gen) * float(s) for n, s in zip(sizes, spreads)]
+    noted, totals = [], []
+    for order in (range(64), reversed(range(64))):
+        scale = StepScale(torch.device("cpu"), None)
+        for i in order:
+            scale.add_norm(i, grads[i])
+        noted.append(scale.norms([], 2.0, streamed=True))  # what the total is reduced from, in its order
+        totals.append(scale.clip(1.0, 2.0, [], streamed=True))
+    assert all(a.equal(b) for a, b in zip(*noted, strict=True))  # the parameters' order both times
+    assert noted[0][0].equal(torch.linalg.vector_norm(grads[0]))
+    assert totals[0].equal(totals[1])

@@ -296,7 +296,7 @@ def _ranks_worker(rank: int, port: int, how: str, out: str) -> None:
         for cycle in (False, True):
             model = make_model()
             net = wrap(model, how)
-            opt = TwinFlowAdam(model.parameters(), lr=3e-3, ratio=0.5, chunk_bytes=512).attach(net)
+            opt = TwinFlowAdam(model.parameters(), lr=3e-3, ratio=0.5, max_grad_norm=1.0, chunk_bytes=512).attach(net)
             moved = []
             for k, (x, y) in enumerate(batches()):
                 F.mse_loss(net(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()

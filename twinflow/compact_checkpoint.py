@@ -181,7 +181,9 @@ def read_record(form: str, slices: list[tuple[Part, int, int]]) -> list[torch.Te
             step = convert_elements(part.weight.device)
             for x in range(a, b, step):
                 y = min(b, x + step)
-                for dst, value in zip(out[4:], weight_master.join(part.master[0][x:y], part.master[1][x:y])):
+                residual = part.master[1][x:y]
+                weight = part.master[0][x:y].to(residual.device)  # on the device while the state is offloaded
+                for dst, value in zip(out[4:], weight_master.join(weight, residual)):
                     dst[k + x - a : k + y - a].copy_(value)
         elif form != "none":
             for dst, src in zip(out[4:], part.master):

@@ -147,7 +147,7 @@ class StepCoordinator:
                     self.split.delaying(self.settings.delay_after), last_scale)  # fmt: skip
                 self.open_step(self.step_args() if notes.eager or spec else None, self.mode(spec))
         if not notes.eager:
-            self.scale.add_norm(grad)
+            self.scale.add_norm(i, grad)
         self.host.download(i, grad)
         notes.streamed.add(i)
 

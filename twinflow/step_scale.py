@@ -29,18 +29,21 @@ class StepScale:
         self.reset()
 
     def reset(self) -> None:
-        self.hook_norms: list[torch.Tensor] = []  # 2-norms of gradients streamed during backward (attach)
+        # 2-norms of gradients streamed during backward (attach), by parameter: summed in the parameters' order,
+        # not in the order they arrived (DDP's buckets may finish in either order), so the norm is reproducible
+        self.hook_norms: dict[int, torch.Tensor] = {}
         self.coef: torch.Tensor | None = None  # the multiplier every gradient of this step gets
         self.inv_scale: float | None = None  # loss scaling: 1 / scale, set by unscale_()
         self.clipped = False
 
     def forget_norms(self) -> None:
         """A step's first gradient goes down: no norm noted before it belongs to this step."""
-        self.hook_norms = []
+        self.hook_norms = {}
 
-    def add_norm(self, grad: torch.Tensor) -> None:
-        """Notes the 2-norm of a gradient that leaves for the host before the step (fp32 whatever its dtype)."""
-        self.hook_norms.append(torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32))
+    def add_norm(self, i: int, grad: torch.Tensor) -> None:
+        """Notes the 2-norm of parameter i's gradient, which leaves for the host before the step (fp32 whatever
+        its dtype)."""
+        self.hook_norms[i] = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
 
     def norms(self, grads: list[torch.Tensor], norm_type: float, streamed: bool) -> list[torch.Tensor]:
         """Per-gradient norms: those noted while gradients streamed, and those of `grads`, still on the device."""
@@ -51,7 +54,7 @@ class StepScale:
             )
         # fp32 norms whatever the gradients' dtype: bf16 norms would round the clipping coefficient
         norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32) if grads else []
-        return list(self.hook_norms) + list(norms)
+        return [self.hook_norms[i] for i in sorted(self.hook_norms)] + list(norms)
 
     def clip(self, max_norm: float, norm_type: float, grads: list[torch.Tensor], streamed: bool) -> torch.Tensor:
         """Sets the coefficient that clips the step's gradients to `max_norm`; returns their total norm."""
