@@ -23,7 +23,7 @@ inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const f
   reg param = V::load(p_in);
   reg m_new = V::load(m_in);
   reg v_new = V::load(v_in);
-  if constexpr (kBody == Body::kProbe) {
+  if constexpr (kBody == Body::kProbe || kBody == Body::kPeekProbe) {
     // Same loads and stores, no Adam arithmetic: the bandwidth ceiling.
     param = V::add(param, grad);
     m_new = V::add(m_new, grad);
@@ -41,7 +41,9 @@ inline void step_lanes(float* p, const G* g, float* m, float* v, O* out, const f
     param = V::mul(param, V::set1(c.param_scale));
     param = V::fmadd(V::set1(-c.step_size), V::div(m_new, denom), param);
   }
-  if constexpr (kApart) {
+  if constexpr (kBody == Body::kPeek || kBody == Body::kPeekProbe) {
+    // the weights only: the state stays as it was
+  } else if constexpr (kApart) {
     V::stream(p, param);
     V::stream(m, m_new);
     V::stream(v, v_new);
@@ -139,9 +141,14 @@ void dispatch_place(const AdamSpan& s, int64_t begin, int64_t end) {
 
 template <class V>
 void run_span_impl(const AdamSpan& s, int64_t begin, int64_t end, Body body) {
-  if (body == Body::kProbe) {
-    dispatch_place<V, Body::kProbe>(s, begin, end);
-  } else {
-    dispatch_place<V, Body::kAdam>(s, begin, end);
+  switch (body) {
+    case Body::kProbe:
+      return dispatch_place<V, Body::kProbe>(s, begin, end);
+    case Body::kPeek:
+      return dispatch_place<V, Body::kPeek>(s, begin, end);
+    case Body::kPeekProbe:
+      return dispatch_place<V, Body::kPeekProbe>(s, begin, end);
+    default:
+      return dispatch_place<V, Body::kAdam>(s, begin, end);
   }
 }

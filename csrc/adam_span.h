@@ -65,7 +65,11 @@ struct AdamSpan {
 
 // Which kernel body runs: the Adam update, or a bandwidth probe that moves
 // the same bytes with trivial arithmetic (to measure the memory ceiling).
-enum class Body : int32_t { kAdam = 0, kProbe = 1 };
+// kPeek: the update's arithmetic, but only the low-precision copy is written
+// (the new weights first; the state is committed by a later kAdam pass with
+// the same arithmetic, so the committed master is the one the copy rounds);
+// kPeekProbe: the peek's bytes with trivial arithmetic.
+enum class Body : int32_t { kAdam = 0, kProbe = 1, kPeek = 2, kPeekProbe = 3 };
 
 // 8-bit moments (state_precision="int8"): per block of kQ8Block elements of a
 // tensor, exp_avg as int8 codes and exp_avg_sq as uint8 codes, each a small

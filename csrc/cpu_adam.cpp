@@ -246,13 +246,27 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                  weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kAdam);
 }
 
+// adam_step's arithmetic, only the weights written into out_copies (required): the state is left as it was, for
+// a later adam_step with the same arguments to commit (the master it writes is the one the copy was rounded from).
+void adam_peek(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+               at::TensorList out_copies, at::IntArrayRef steps, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads,
+               int64_t simd, at::TensorList sources) {
+  TORCH_CHECK_VALUE(out_copies.size() == params.size(),
+                    "adam_peek_: out_copies must have one tensor per param (the peek writes only the weights); got ",
+                    out_copies.size(), " for ", params.size(), " params");
+  adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, sources, steps, lr, beta1, beta2, eps,
+                 weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kPeek);
+}
+
 // Same memory traffic as adam_step (reads p, g, m, v; writes p, m, v, out; in
-// place or apart), no Adam arithmetic: what the memory system allows for this access pattern.
+// place or apart), or with `peek` as adam_peek (reads p, g, m, v; writes out), no Adam arithmetic: what the memory
+// system allows for this access pattern.
 void bandwidth_probe(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                     at::TensorList out_copies, int64_t num_threads, int64_t simd, at::TensorList sources) {
+                     at::TensorList out_copies, int64_t num_threads, int64_t simd, at::TensorList sources, bool peek) {
   std::vector<int64_t> steps(params.size(), 1);
   adam_step_impl(params, grads, exp_avgs, exp_avg_sqs, out_copies, sources, steps, 0.0, 0.0, 0.0, 0.0, 0.0, true,
-                 true, 1.0, num_threads, simd, Body::kProbe);
+                 true, 1.0, num_threads, simd, peek ? Body::kPeekProbe : Body::kProbe);
 }
 
 int64_t cpu_simd_level() { return best_simd(); }
@@ -379,8 +393,12 @@ TORCH_LIBRARY(twinflow, m) {
       "Tensor(d!)[] out_copies, int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adamw_mode, bool bias_correction, float grad_scale, int num_threads, int simd, Tensor[] sources) -> ()");
   m.def(
+      "adam_peek_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+      "Tensor(d!)[] out_copies, int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, bool bias_correction, float grad_scale, int num_threads, int simd, Tensor[] sources) -> ()");
+  m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] out_copies, int num_threads, int simd, Tensor[] sources) -> ()");
+      "Tensor(d!)[] out_copies, int num_threads, int simd, Tensor[] sources, bool peek=False) -> ()");
   m.def(
       "adam_step_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, Tensor(c!)[] exp_avg_scales, "
       "Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] out_copies, int[] steps, "
@@ -398,6 +416,7 @@ TORCH_LIBRARY(twinflow, m) {
 // a clear ValueError instead of a missing-kernel error.
 TORCH_LIBRARY_IMPL(twinflow, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step);
+  m.impl("adam_peek_", &adam_peek);
   m.impl("bandwidth_probe_", &bandwidth_probe);
   m.impl("adam_step_q8_", &adam_step_q8);
   m.impl("bandwidth_probe_q8_", &bandwidth_probe_q8);

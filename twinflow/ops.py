@@ -282,6 +282,7 @@ def adam_step_(
     num_threads: int | None = None,
     simd: str | None = None,
     sources: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    peek: bool = False,
 ) -> None:
     """One Adam/AdamW step over many CPU tensors in one parallel region, in place.
 
@@ -296,13 +297,17 @@ def adam_step_(
     read from those tensors and written to ``params``, ``exp_avgs`` and
     ``exp_avg_sqs`` (out of place, each pair the same tensor or apart): the
     state a step started from stays as it was.
+    ``peek``: the same arithmetic, but only ``out_copies`` (then required)
+    are written and the state stays as it was; the same call without
+    ``peek`` later commits the state, its masters the ones the copies were
+    rounded from (new weights first, the state behind them).
     Every argument is checked before anything is written. The GIL is released
     while the kernel runs.
     """
     if len(params) == 0:
         return
     load()
-    torch.ops.twinflow.adam_step_(
+    (torch.ops.twinflow.adam_peek_ if peek else torch.ops.twinflow.adam_step_)(
         list(params),
         list(grads),
         list(exp_avgs),
@@ -331,8 +336,9 @@ def bandwidth_probe_(
     num_threads: int | None = None,
     simd: str | None = None,
     sources: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    peek: bool = False,
 ) -> None:
-    """Moves the same bytes as :func:`adam_step_` with trivial arithmetic.
+    """Moves the same bytes as :func:`adam_step_` (with `peek`, as its peek) with trivial arithmetic.
 
     Its throughput is the memory-bandwidth ceiling for the Adam access pattern
     on this host. It overwrites its arguments with meaningless values.
@@ -349,6 +355,7 @@ def bandwidth_probe_(
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
         [t for ts in sources for t in ts] if sources is not None else [],
+        bool(peek),
     )
 
 
@@ -358,6 +365,10 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("twinflow::adam_step_")
     def _adam_step_fake(*args, **kwargs) -> None:
+        return None
+
+    @torch.library.register_fake("twinflow::adam_peek_")
+    def _peek_fake(*args, **kwargs) -> None:
         return None
 
     @torch.library.register_fake("twinflow::bandwidth_probe_")

@@ -1,0 +1,115 @@
+"""The kernel's peek pass (new weights first, the state left as it was) and its commit, on every SIMD path.
+
+The peek writes only the rounded weights; the ordinary step run afterwards on the same state commits it. Both
+must be bit for bit the single pass: the peek's weights its copy, the commit's masters and moments its state.
+"""
+
+import pytest
+import torch
+
+from twinflow import ops
+
+HYPER = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-7, num_threads=3)  # 3 threads: cuts fall inside tensors
+
+
+def state(gen: torch.Generator, sizes: list[int]) -> dict[str, list[torch.Tensor]]:
+    """Random masters and moments (after some steps: nonzero, varied magnitudes), each a misaligned view."""
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.zeros(3), t])[3:]  # starts 12 bytes into its storage: the head loop runs
+
+    return {
+        "params": [view(torch.randn(n, generator=gen)) for n in sizes],
+        "exp_avgs": [view(torch.randn(n, generator=gen) * 1e-2) for n in sizes],
+        "exp_avg_sqs": [view(torch.rand(n, generator=gen) * 1e-4) for n in sizes],
+    }
+
+
+def clone(s: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    return {k: [t.clone() for t in v] for k, v in s.items()}
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Bit for bit (NaN equals NaN of the same pattern)."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+    return all(bits(x).equal(bits(y)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("adamw_mode", "weight_decay", "grad_scale"), [(True, 0.1, 0.37), (False, 0.05, 1.0)])
+@pytest.mark.parametrize("apart", [False, True], ids=["in_place", "apart"])
+def test_peek_then_commit_is_the_single_pass_bit_for_bit(
+    simd: str, out_dtype: torch.dtype, grad_dtype: torch.dtype, adamw_mode: bool, weight_decay: float,
+    grad_scale: float, apart: bool,
+) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 17, 1000, 70_001]
+    start = state(gen, sizes)
+    grads = [torch.randn(n, generator=gen).to(grad_dtype) for n in sizes]
+    steps = [3, 1, 7, 12]
+    hyper = dict(HYPER, weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale, simd=simd)
+
+    def call(s: dict, outs: list[torch.Tensor] | None, peek: bool) -> None:
+        # apart: read the state from `start`'s tensors, write it to `s`'s (a speculative redo's shape)
+        sources = (start["params"], start["exp_avgs"], start["exp_avg_sqs"]) if apart else None
+        ops.adam_step_(s["params"], grads, s["exp_avgs"], s["exp_avg_sqs"], steps, out_copies=outs, sources=sources,
+                       peek=peek, **hyper)  # fmt: skip
+
+    single = clone(start)
+    single_out = [torch.empty(n, dtype=out_dtype) for n in sizes]
+    call(single, single_out, peek=False)
+
+    two = clone(start)
+    if apart:  # the target of the commit starts poisoned: the sources are what is read
+        for t in two["params"] + two["exp_avgs"] + two["exp_avg_sqs"]:
+            t.fill_(float("nan"))
+    before = clone(two)
+    peek_out = [torch.full((n,), float("nan"), dtype=out_dtype) for n in sizes]  # poisoned: every element written
+    call(two, peek_out, peek=True)
+    assert same(peek_out, single_out)  # the new weights first, bit for bit
+    for key in two:  # and nothing of the state written (NaN == NaN bitwise through the int view)
+        assert same(two[key], before[key]), key
+    call(two, None, peek=False)  # the commit: the ordinary step without a copy
+    for key in two:
+        assert same(two[key], single[key]), key
+    assert not same(single["params"], start["params"])  # the step moved the masters: a no-op would fail above
+
+
+def test_peek_without_copies_is_refused_and_writes_nothing() -> None:
+    gen = torch.Generator().manual_seed(6)
+    s = state(gen, [33])
+    before = clone(s)
+    with pytest.raises(ValueError, match=r"adam_peek_: out_copies must have one tensor per param .* got 0 for 1"):
+        ops.adam_step_(s["params"], [torch.randn(33)], s["exp_avgs"], s["exp_avg_sqs"], [1], peek=True, **HYPER)
+    assert all(same(s[k], before[k]) for k in s)
+
+
+def test_the_peek_probe_writes_only_the_copies(simd: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    s = state(gen, [5000])
+    before = clone(s)
+    outs = [torch.full((5000,), float("nan"), dtype=torch.bfloat16)]
+    ops.bandwidth_probe_(s["params"], [torch.randn(5000).bfloat16()], s["exp_avgs"], s["exp_avg_sqs"],
+                         out_copies=outs, simd=simd, peek=True)  # fmt: skip
+    assert all(same(s[k], before[k]) for k in s)
+    assert not outs[0].isnan().any()
+
+
+def test_opcheck_peek() -> None:
+    gen = torch.Generator().manual_seed(8)
+    n = 37
+    args = (
+        [torch.randn(n, generator=gen)],
+        [torch.randn(n, generator=gen).bfloat16()],
+        [torch.rand(n, generator=gen)],
+        [torch.rand(n, generator=gen)],
+        [torch.empty(n, dtype=torch.bfloat16)],
+        [2],
+        1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5, 2, ops.resolve_simd(),
+        [],
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.twinflow.adam_peek_.default, args)
