@@ -412,6 +412,7 @@ def test_opcheck() -> None:
         [torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)],
     )  # fmt: skip
     torch.library.opcheck(torch.ops.twinflow.adam_step_.default, args)
+    torch.library.opcheck(torch.ops.twinflow.adam_peek_.default, args)  # the weights-first pass: the same schema
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False])

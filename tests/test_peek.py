@@ -97,19 +97,3 @@ def test_the_peek_probe_writes_only_the_copies(simd: str) -> None:
                          out_copies=outs, simd=simd, peek=True)  # fmt: skip
     assert all(same(s[k], before[k]) for k in s)
     assert not outs[0].isnan().any()
-
-
-def test_opcheck_peek() -> None:
-    gen = torch.Generator().manual_seed(8)
-    n = 37
-    args = (
-        [torch.randn(n, generator=gen)],
-        [torch.randn(n, generator=gen).bfloat16()],
-        [torch.rand(n, generator=gen)],
-        [torch.rand(n, generator=gen)],
-        [torch.empty(n, dtype=torch.bfloat16)],
-        [2],
-        1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5, 2, ops.resolve_simd(),
-        [],
-    )  # fmt: skip
-    torch.library.opcheck(torch.ops.twinflow.adam_peek_.default, args)
