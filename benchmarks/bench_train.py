@@ -13,6 +13,9 @@ step runs on the CPU):
                 update lands one step late (not exact)
   twinflow-spec:R   the same with offload_speculate (exact): under --clip
                 the CPU steps as gradients land, redoing clipped steps
+  twinflow-wf:R     the same with offload_weights_first (exact): under --clip
+                the CPU writes the new weights first (the kernel's peek)
+                and commits its state behind them
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)
@@ -171,7 +174,7 @@ def merge(parts: list[dict]) -> dict:
     if "released_grad_gib" in first:  # per rank, in rank order
         row["released_grad_gib_per_rank"] = [r["released_grad_gib"] for r in sorted(parts, key=lambda r: r["rank"])]
         row["attached"] = first["attached"]
-        for key in ("rollbacks", "steps_not_speculated"):  # speculation, rank 0's
+        for key in ("rollbacks", "steps_not_speculated", "cpu_chunks_s_per_step", "cpu_commits_s_per_step"):  # rank 0's
             row[key] = first.get(key)
     row["status"] = "ok"
     return row

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "ds-z3", "ds-z2", "ds-zenflow", "ds-super",
-           "torchao")  # fmt: skip
+SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "twinflow-wf", "ds-z3", "ds-z2", "ds-zenflow",
+           "ds-super", "torchao")  # fmt: skip
 DEEPSPEED = ("ds-z3", "ds-z2", "ds-zenflow", "ds-super")
 ZERO_STAGE_2 = ("ds-z2", "ds-zenflow")
-TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec")
+TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec", "twinflow-wf")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
@@ -69,10 +69,11 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
 
 
 def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, mode: str = "") -> dict:
-    """twinflow.initialize's config; `mode` "delay" or "spec" for twinflow-delay and twinflow-spec."""
+    """twinflow.initialize's config; `mode` "delay", "spec" or "wf" for twinflow-delay, -spec and -wf."""
     return {
         "offload_delay_after": 1 if mode == "delay" else None,
         "offload_speculate": mode == "spec",
+        "offload_weights_first": mode == "wf",
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -83,6 +84,16 @@ def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: 
         "gradient_clipping": clip,
         "steps_per_print": 10**9,
     }
+
+
+def cpu_seconds(host) -> dict:
+    """From the CPU side's timeline, per step: the chunks' kernel and upload seconds (what runs once a clipped
+    step's norm is known: the critical path's CPU part), and the commits' (weights first: behind the weights)."""
+    events = host.timeline or []
+    chunk = [e["end"] - e["start"] for e in events if "chunk" in e]
+    steps = max(1, len(chunk) // max(1, host.chunk_count))
+    commits = sum(e["end"] - e["start"] for e in events if "commit" in e)
+    return {"cpu_chunks_s_per_step": sum(chunk) / steps, "cpu_commits_s_per_step": commits / steps}
 
 
 def build(name: str, ratio: float | None, args, device: str, world: int):
@@ -132,11 +143,14 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
         # released: device gradient memory handed back during the last backward (attached, wholly CPU-stepped)
         coordinator = opt.coordinator
 
+        if coordinator.host.chunk_count:
+            coordinator.host.timeline = []  # the CPU's work per step (host clock)
+
         def report() -> dict:
             host = coordinator.host
             return {"attached": opt.attached, "released_grad_gib": opt.released_grad_bytes / 2**30,
                     "rollbacks": host.speculative.rollbacks if host.chunk_count else 0,
-                    "steps_not_speculated": coordinator.speculation.skipped}  # fmt: skip
+                    "steps_not_speculated": coordinator.speculation.skipped, **cpu_seconds(host)}  # fmt: skip
     else:  # DeepSpeed
         import deepspeed
 

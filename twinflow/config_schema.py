@@ -262,6 +262,8 @@ class Config(_Section):
     offload_delay_after: Annotated[Count, Field(ge=0)] | None = None
     # Exact: under clipping the CPU steps as gradients land and redoes the steps the norm clipped.
     offload_speculate: Flag = False
+    # Exact: a step that waits for the norm writes the CPU share's new weights first, its state behind them.
+    offload_weights_first: Flag = False
     # Opt-in, not exact: "int8" keeps the CPU share's moments in 8 bits (6 bytes of host state a parameter, not 12);
     # "int8_m24" also its masters in 24 bits (5 bytes).
     offload_state_precision: Literal["fp32", "int8", "int8_m24"] = "fp32"

@@ -40,6 +40,7 @@ class Settings:
     delay_after: int | None
     state_precision: str
     speculate: bool
+    weights_first: bool = False
 
 
 class StepCoordinator:
@@ -120,7 +121,11 @@ class StepCoordinator:
     def mode(self, speculative: bool) -> str:
         if speculative:
             return "speculative"
-        return "delayed" if self.split.delaying(self.settings.delay_after) else "exact"
+        if self.split.delaying(self.settings.delay_after):
+            return "delayed"
+        # weights first where the step waits for its multiplier (not eager) and the state is fp32 (the peek)
+        first = self.settings.weights_first and not self.notes.eager and self.settings.state_precision == "fp32"
+        return "weights_first" if first else "exact"
 
     def open_step(self, args: StepArgs | None, mode: str) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""

@@ -195,6 +195,7 @@ class Engine:
             "max_grad_norm": (config.gradient_clipping or None) if clip else None,
             "delay_after": config.offload_delay_after,
             "speculate": config.offload_speculate,
+            "weights_first": config.offload_weights_first,
             "state_precision": config.offload_state_precision,
         }
         if opt is not None:

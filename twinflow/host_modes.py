@@ -62,7 +62,9 @@ class HostSide(Protocol):
     def upload(self, k: int, pieces: list[Piece], sources: list[torch.Tensor]) -> None: ...
 
     def kernel(self, ready: torch.cuda.Event | NoEvent | None, pieces: list[Piece], grads: list[torch.Tensor],
-               args: StepArgs, scale: float | None, apart: bool = False) -> float: ...  # fmt: skip
+               args: StepArgs, scale: float | None, apart: bool = False, outs: object = ...) -> float: ...  # fmt: skip
+
+    def peek_chunk(self, k: int, pieces: list[Piece], args: StepArgs) -> float: ...
 
 
 class ExactMode:
@@ -106,6 +108,57 @@ class ExactMode:
                 "zero_grad() after the CPU share already stepped in backward (eager overlap): that update "
                 "cannot be undone. Call step() after backward, or attach with eager=False"
             )
+
+
+class WeightsFirstMode(ExactMode):
+    """Exact, new weights first (fp32 state, steps that wait for the norm): a chunk's peek writes only its rounded
+    weights, into the second buffer set, and they go up at once; its commit (the same arithmetic: the state in
+    place, bit for bit the single pass) runs behind every chunk of the step. A commit must end before its chunk's
+    next gradient lands (:meth:`HostSide.download` waits for it) and before the state is read (``quiesce``)."""
+
+    name = "weights_first"
+
+    def __init__(self, host: HostSide) -> None:
+        super().__init__(host)
+        self.pending: set[int] = set()  # chunks whose commit has not ended (under the executor's condition)
+
+    def prepare(self, args: StepArgs | None) -> None:
+        self.host.staging.make_spare()
+
+    def run(self, k: int) -> None:
+        host = self.host
+        with host.executor.condition:
+            pieces, args = host.live(k), host.record.args
+            self.pending.add(k)
+        try:
+            scale = host.peek_chunk(k, pieces, args)
+        except BaseException:
+            self.committed(k)
+            raise
+        finally:
+            host.mark_done([k])
+        with host.executor.condition:  # the last chunks' gradients land first in the next backward
+            host.executor.submit(Job("commit", k, partial(self.commit, k, pieces, args, scale), lambda: (2, -k)))
+
+    def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None:
+        start = time.perf_counter()
+        try:
+            self.host.kernel(None, pieces, self.host.host_views(pieces), args, scale, outs=None)
+        finally:
+            self.committed(k)
+        if self.host.timeline is not None:
+            self.host.timeline.append({"commit": k, "start": start, "end": time.perf_counter()})
+
+    def committed(self, k: int) -> None:
+        with self.host.executor.condition:
+            self.pending.discard(k)
+            self.host.executor.condition.notify_all()
+
+    def wait(self, chunks: set[int] | None = None) -> None:
+        """Until the commits of `chunks` (else all) have ended (caller holds the executor's condition); with none
+        pending, at once (another job's error is raised where the step's own waits are)."""
+        if self.pending if chunks is None else self.pending & chunks:
+            self.host.executor.wait_until(lambda: not (self.pending if chunks is None else self.pending & chunks))
 
 
 class SpeculativeMode(ExactMode):

@@ -28,7 +28,7 @@ import torch
 
 from twinflow import ops
 from twinflow.executor import CpuExecutor
-from twinflow.host_modes import DelayedMode, ExactMode, SpeculativeMode
+from twinflow.host_modes import DelayedMode, ExactMode, SpeculativeMode, WeightsFirstMode
 from twinflow.host_state import HostState
 from twinflow.staging import Piece, Staging
 from twinflow.step_record import Phase, StepArgs, StepRecord
@@ -48,6 +48,7 @@ class HostSide:
         self.executor = CpuExecutor(device)
         self.record = StepRecord(len(self.staging.chunks))
         self.exact, self.speculative, self.delayed = ExactMode(self), SpeculativeMode(self), DelayedMode(self)
+        self.weights_first = WeightsFirstMode(self)
         self.mode: ExactMode = self.exact
         # Set to a list to record host times (time.perf_counter) of every chunk and wait, for timeline plots.
         self.timeline: list[dict] | None = None
@@ -93,7 +94,11 @@ class HostSide:
         """Starts a step's downloads in `mode` ("exact", "speculative" or "delayed"); with `args` the worker
         may step chunks as soon as they are down."""
         self.finish()
-        self.mode = {"exact": self.exact, "speculative": self.speculative, "delayed": self.delayed}[mode]
+        if mode in ("speculative", "delayed"):  # they read or swap the state's and the gradients' second sets
+            with self.executor.condition:
+                self.weights_first.wait()
+        self.mode = {"exact": self.exact, "speculative": self.speculative, "delayed": self.delayed,
+                     "weights_first": self.weights_first}[mode]  # fmt: skip
         self.mode.prepare(args)
         with self.executor.condition:
             self.executor.raise_error()
@@ -111,6 +116,8 @@ class HostSide:
                 "used both inside and outside a reentrant activation checkpoint (use_reentrant=True) is also "
                 "accumulated twice: use use_reentrant=False"
             )
+        with self.executor.condition:  # the last step's commit of these chunks still reads their gradients
+            self.weights_first.wait(set(self.staging.chunks_of[i]))
         self.staging.download(i, grad)
         with self.executor.condition:
             for k in self.record.landed(i, self.staging.chunks_of[i]):
@@ -214,6 +221,8 @@ class HostSide:
         the state's first set)."""
         self.finish()
         self.delayed.flush()
+        with self.executor.condition:
+            self.weights_first.wait()
         self.state.settle()
 
     def quiesce(self, params: set[int] | None = None) -> None:
@@ -222,6 +231,7 @@ class HostSide:
         self.finish()
         with self.executor.condition:
             self.delayed.wait_kernel()
+            self.weights_first.wait()
         self.state.settle(params)
 
     def drop_late_for(self, moved: set[int], why: str = "were written outside the optimizer") -> None:
@@ -258,15 +268,18 @@ class HostSide:
             self.note_written(pc.param)
 
     def kernel(self, ready: torch.cuda.Event | NoEvent | None, pieces: list[Piece], grads: list[torch.Tensor],
-               args: StepArgs, scale: float | None, apart: bool = False) -> float:  # fmt: skip
+               args: StepArgs, scale: float | None, apart: bool = False, outs: object = ...,
+               peek: bool = False) -> float:  # fmt: skip
         """Steps `pieces` from the gradients in `grads` (on the host once `ready`, an event, if given), the
-        weights written back in place or (`apart`) into the spare buffer with the state out of place. Returns
-        the multiplier (read from `args` unless known)."""
+        weights written back in place or (`apart`) into the spare buffer with the state out of place, or into
+        `outs` if given (None: no weights, the state only). `peek`: the weights only, the state left as it
+        was. Returns the multiplier (read from `args` unless known)."""
         if ready is not None:
             ready.synchronize()
         if scale is None:
             scale = args.read_scale()
-        outs = self.spare_views(pieces) if apart else grads
+        if outs is ...:
+            outs = self.spare_views(pieces) if apart else grads
         by_group: dict[int, list[int]] = {}
         for n, pc in enumerate(pieces):
             by_group.setdefault(self.group_of[pc.param], []).append(n)
@@ -274,11 +287,30 @@ class HostSide:
             g = args.groups[gi]
             hyper = dict(lr=g["lr"], beta1=g["beta1"], beta2=g["beta2"], eps=g["eps"], weight_decay=g["weight_decay"],
                          adamw_mode=g["adamw_mode"], bias_correction=g["bias_correction"], grad_scale=scale,
-                         num_threads=self.num_threads)  # fmt: skip
+                         num_threads=self.num_threads, **({"peek": True} if peek else {}))  # fmt: skip
             group_pieces = [pieces[n] for n in members]
-            self.state.step(group_pieces, [grads[n] for n in members], [outs[n] for n in members],
+            group_outs = None if outs is None else [outs[n] for n in members]
+            self.state.step(group_pieces, [grads[n] for n in members], group_outs,
                             [args.steps[pc.param] for pc in group_pieces], apart, hyper)  # fmt: skip
         return scale
+
+    def peek_chunk(self, k: int, pieces: list[Piece], args: StepArgs) -> float:
+        """Chunk k's new weights (the state left as it was) into the second buffer set, once its gradients are
+        down and its last upload from there has ended, then uploaded; returns the multiplier."""
+        picked = time.perf_counter()
+        self.staging.chunks[k].grad_ready.synchronize()
+        self.staging.chunks[k].uploaded.synchronize()  # the last step's weights have left the second set
+        start = time.perf_counter()
+        outs = self.spare_views(pieces)
+        self.record.scale = self.kernel(None, pieces, self.host_views(pieces), args, self.record.scale, outs=outs,
+                                        peek=True)  # fmt: skip
+        kernel_end = time.perf_counter()
+        self.upload(k, pieces, outs)
+        if self.timeline is not None:
+            self.timeline.append({"chunk": k, "ready": self.ready_at[k], "picked": picked, "start": start,
+                                  "kernel_end": kernel_end, "end": time.perf_counter(), "peek": True,
+                                  "elements": sum(pc.numel for pc in pieces)})  # fmt: skip
+        return self.record.scale
 
     def run_chunk(self, k: int, args: StepArgs, speculative: bool = False) -> None:
         """Steps chunk k once its gradients are down and uploads it; `speculative`: with multiplier 1, out of

@@ -66,8 +66,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
     parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements;
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
-    clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``state_precision="int8"`` (opt-in, not
-    exact): both sides' moments in 8 bits; "int8_m24": and 24-bit masters (:mod:`.compact`, :mod:`.device_compact`).
+    clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``weights_first=True`` (fp32, exact): a step
+    that waits for the norm computes the new weights first and commits the state behind them. ``state_precision=
+    "int8"`` (opt-in, not exact): both sides' moments in 8 bits; "int8_m24": 24-bit masters too (:mod:`.compact`).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         delay_after: int | None = None,
         speculate: bool = False,
+        weights_first: bool = False,
         state_precision: str = "fp32",
         memory_margin: float = 0.1,
         memory_budget: int | None = None,
@@ -106,7 +108,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         check_max_grad_norm(max_grad_norm)
         check_delay_after(delay_after)
         settings = Settings(check_placement(placement), chunk_bytes, num_threads, max_grad_norm, delay_after,
-                            check_state_precision(state_precision), bool(speculate))  # fmt: skip
+                            check_state_precision(state_precision), bool(speculate), bool(weights_first))  # fmt: skip
         super().__init__(params, defaults)
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
         # The coordinator reaches the optimizer only weakly: a dropped optimizer is freed (its worker closed) at once.
@@ -150,6 +152,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     delay_after = _setting("delay_after", check_delay_after)
     state_precision = _setting("state_precision", check_state_precision)
     speculate = _setting("speculate", convert=bool)
+    weights_first = _setting("weights_first", convert=bool)
 
     @property
     def attached(self) -> bool:
@@ -369,8 +372,8 @@ def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SETTINGS = (
-    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "speculate", "state_precision",
-    "memory_margin", "memory_budget",
+    "ratio", "placement", "chunk_bytes", "num_threads", "max_grad_norm", "delay_after", "speculate", "weights_first",
+    "state_precision", "memory_margin", "memory_budget",
 )  # fmt: skip
 
 

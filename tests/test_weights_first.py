@@ -1,0 +1,94 @@
+"""weights_first=True: a step that waits for the norm writes the CPU share's new weights first (the kernel's
+peek) and commits the state behind them; training is bit for bit the single pass's.
+
+The commits are held back (the worker's gate) until something waits for them: a read of the state, or the
+next step's gradient for the same chunk. A wait left out lets a read see the state before the step, or the next
+gradients overwrite the ones a commit still needs, and the run ends away from the reference.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twinflow import TwinFlowAdam
+from twinflow.host_modes import WeightsFirstMode
+
+
+def make(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 96), torch.nn.GELU(), torch.nn.Linear(96, 96), torch.nn.GELU(),
+                               torch.nn.Linear(96, 6)).to(dtype)  # fmt: skip
+
+
+def bits(model: torch.nn.Module, opt: TwinFlowAdam) -> list[torch.Tensor]:
+    out = [p.detach().flatten().view(torch.uint8).clone() for p in model.parameters()]
+    for entry in opt.state_dict()["state"].values():
+        out += [entry[k].view(torch.int32).clone() for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
+    return out
+
+
+def run(first: bool, attached: bool, clip: float | None, ratio: float, dtype: torch.dtype, held: bool = False):  # noqa: ANN201
+    model = make(dtype)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio, placement="last", max_grad_norm=clip,
+                       chunk_bytes=2048, weights_first=first)  # fmt: skip
+    if attached:
+        opt.attach(model)
+    host = opt.coordinator.host
+    host.timeline = []
+    if held:  # a commit runs only once the main thread waits for commits
+        asked = []
+        wait = WeightsFirstMode.wait
+
+        def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
+            if self.pending & (self.pending if chunks is None else chunks):
+                asked.append(True)
+                self.host.executor.condition.notify_all()
+            wait(self, chunks)
+
+        host.weights_first.wait = waiting.__get__(host.weights_first)
+        host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(8, 24, generator=gen).to(dtype)
+        F.mse_loss(model(x).float(), x[:, :6].float()).backward()
+        opt.step()
+        opt.zero_grad()
+        if held:
+            asked.clear()  # each step's commits held again
+    opt.synchronize()
+    commits = sum("commit" in e for e in host.timeline)
+    return bits(model, opt), commits, host.chunk_count
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+@pytest.mark.parametrize("attached", [False, True])
+@pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
+def test_weights_first_is_the_single_pass_bit_for_bit(dtype, ratio: float, attached: bool, clip: float) -> None:
+    want, none, _ = run(False, attached, clip, ratio, dtype)
+    got, commits, chunks = run(True, attached, clip, ratio, dtype, held=True)
+    assert none == 0 and commits == 4 * chunks > 0  # every chunk of every step committed behind its weights
+    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+
+
+def test_weights_first_stands_aside_where_it_cannot_help() -> None:
+    """Eager steps (attached without clipping) step the CPU share during backward, and compact state has no peek:
+    both run the single pass."""
+    _, commits, _ = run(True, True, None, 0.5, torch.bfloat16)
+    assert commits == 0
+    model = make(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, weights_first=True, state_precision="int8")
+    assert opt.coordinator.mode(False) == "exact"
+    opt.weights_first = False
+    opt.state_precision = "fp32"
+    opt.weights_first = True
+    assert opt.coordinator.mode(False) == "weights_first"
+
+
+def test_the_config_key_reaches_the_optimizer() -> None:
+    import twinflow
+
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "offload_ratio": 0.5,
+              "offload_weights_first": True}  # fmt: skip
+    engine, opt, *_ = twinflow.initialize(model=make(torch.bfloat16), config=config)
+    assert engine.local_optimizer.weights_first is True
