@@ -21,14 +21,22 @@ def make(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def bits(model: torch.nn.Module, opt: TwinFlowAdam) -> list[torch.Tensor]:
-    out = [p.detach().flatten().view(torch.uint8).clone() for p in model.parameters()]
+    out = [p.detach().flatten().view(torch.uint8).cpu().clone() for p in model.parameters()]
     for entry in opt.state_dict()["state"].values():
-        out += [entry[k].view(torch.int32).clone() for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
+        out += [entry[k].view(torch.int32).cpu().clone() for k in ("exp_avg", "exp_avg_sq", "master") if k in entry]
     return out
 
 
-def run(first: bool, attached: bool, clip: float | None, ratio: float, dtype: torch.dtype, held: bool = False):  # noqa: ANN201
-    model = make(dtype)
+def run(
+    first: bool,
+    attached: bool,
+    clip: float | None,
+    ratio: float,
+    dtype: torch.dtype,
+    held: bool = False,
+    device: str = "cpu",
+):  # noqa: ANN201
+    model = make(dtype).to(device)
     opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio, placement="last", max_grad_norm=clip,
                        chunk_bytes=2048, weights_first=first)  # fmt: skip
     if attached:
@@ -49,7 +57,7 @@ def run(first: bool, attached: bool, clip: float | None, ratio: float, dtype: to
         host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
-        x = torch.randn(8, 24, generator=gen).to(dtype)
+        x = torch.randn(8, 24, generator=gen).to(device, dtype)
         F.mse_loss(model(x).float(), x[:, :6].float()).backward()
         opt.step()
         opt.zero_grad()
@@ -92,3 +100,14 @@ def test_the_config_key_reaches_the_optimizer() -> None:
               "offload_weights_first": True}  # fmt: skip
     engine, opt, *_ = twinflow.initialize(model=make(torch.bfloat16), config=config)
     assert engine.local_optimizer.weights_first is True
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attached", [False, True])
+@pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
+def test_weights_first_on_the_gpu_is_the_single_pass_bit_for_bit(attached: bool, clip: float) -> None:
+    """The GPU's streams: weights go up from the second buffer set, gradients come down into the first."""
+    want, _, _ = run(False, attached, clip, 0.5, torch.bfloat16, device="cuda")
+    got, commits, chunks = run(True, attached, clip, 0.5, torch.bfloat16, held=True, device="cuda")
+    assert commits == 4 * chunks > 0
+    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
