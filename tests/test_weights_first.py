@@ -65,7 +65,7 @@ def run(
             asked.clear()  # each step's commits held again
     opt.synchronize()
     commits = sum("commit" in e for e in host.timeline)
-    return bits(model, opt), commits, host.chunk_count
+    return bits(model, opt), commits, host.chunk_count, host.weights_first.fallbacks
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -73,16 +73,18 @@ def run(
 @pytest.mark.parametrize("attached", [False, True])
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
 def test_weights_first_is_the_single_pass_bit_for_bit(dtype, ratio: float, attached: bool, clip: float) -> None:
-    want, none, _ = run(False, attached, clip, ratio, dtype)
-    got, commits, chunks = run(True, attached, clip, ratio, dtype, held=True)
-    assert none == 0 and commits == 4 * chunks > 0  # every chunk of every step committed behind its weights
+    want, none, _, _ = run(False, attached, clip, ratio, dtype)
+    got, commits, chunks, fallbacks = run(True, attached, clip, ratio, dtype, held=True)
+    # steps 1 and 2 go weights first, every chunk committed behind its weights; step 2's gradients wait for step
+    # 1's held commits, so steps 3 and 4 run the single pass (and step 3's gradients wait for step 2's commits)
+    assert none == 0 and commits == 2 * chunks > 0 and fallbacks == 2
     assert all(a.equal(b) for a, b in zip(want, got, strict=True))
 
 
 def test_weights_first_stands_aside_where_it_cannot_help() -> None:
     """Eager steps (attached without clipping) step the CPU share during backward, and compact state has no peek:
     both run the single pass."""
-    _, commits, _ = run(True, True, None, 0.5, torch.bfloat16)
+    _, commits, _, _ = run(True, True, None, 0.5, torch.bfloat16)
     assert commits == 0
     model = make(torch.bfloat16)
     opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, weights_first=True, state_precision="int8")
@@ -107,7 +109,21 @@ def test_the_config_key_reaches_the_optimizer() -> None:
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
 def test_weights_first_on_the_gpu_is_the_single_pass_bit_for_bit(attached: bool, clip: float) -> None:
     """The GPU's streams: weights go up from the second buffer set, gradients come down into the first."""
-    want, _, _ = run(False, attached, clip, 0.5, torch.bfloat16, device="cuda")
-    got, commits, chunks = run(True, attached, clip, 0.5, torch.bfloat16, held=True, device="cuda")
-    assert commits == 4 * chunks > 0
+    want, _, _, _ = run(False, attached, clip, 0.5, torch.bfloat16, device="cuda")
+    got, commits, chunks, fallbacks = run(True, attached, clip, 0.5, torch.bfloat16, held=True, device="cuda")
+    assert commits == 2 * chunks > 0 and fallbacks == 2
     assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+
+
+def test_after_a_stall_the_single_pass_runs_for_a_while_then_weights_first_again() -> None:
+    """A gradient that waits for a commit means the commits do not keep up: the next RETRY steps run the single
+    pass, then weights first is tried again."""
+    model = make(torch.float32)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, weights_first=True)
+    policy = opt.coordinator.host.weights_first
+    assert opt.coordinator.mode(False) == "weights_first"
+    policy.stalled = True
+    modes = [opt.coordinator.mode(False) for _ in range(WeightsFirstMode.RETRY + 1)]
+    assert (
+        modes == ["exact"] * WeightsFirstMode.RETRY + ["weights_first"] and policy.fallbacks == WeightsFirstMode.RETRY
+    )

@@ -125,7 +125,7 @@ class StepCoordinator:
             return "delayed"
         # weights first where the step waits for its multiplier (not eager) and the state is fp32 (the peek)
         first = self.settings.weights_first and not self.notes.eager and self.settings.state_precision == "fp32"
-        return "weights_first" if first else "exact"
+        return "weights_first" if first and self.host.chunk_count and self.host.weights_first.choose() else "exact"
 
     def open_step(self, args: StepArgs | None, mode: str) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""

@@ -117,10 +117,35 @@ class WeightsFirstMode(ExactMode):
     next gradient lands (:meth:`HostSide.download` waits for it) and before the state is read (``quiesce``)."""
 
     name = "weights_first"
+    RETRY = 10  # steps of the single pass after one whose gradients had to wait for its commits
 
     def __init__(self, host: HostSide) -> None:
         super().__init__(host)
         self.pending: set[int] = set()  # chunks whose commit has not ended (under the executor's condition)
+        self.stalled = False  # a gradient of this step waited for a commit: the commits do not keep up
+        self.skip = 0  # steps left to run the single pass
+        self.fallbacks = 0  # steps that ran the single pass for it
+
+    def choose(self) -> bool:
+        """Whether the coming step may go weights first (asked once per step): not for :data:`RETRY` steps after
+        one whose gradients waited for commits. There the CPU's work per step (the peek and the commit, about 1.6
+        times the single pass's bytes) outgrows the iteration, and the single pass is faster."""
+        if self.stalled:
+            self.stalled, self.skip = False, self.RETRY
+            log.info("weights_first: a gradient waited for the last step's commit (the CPU's work outgrows the "
+                     "iteration); the next %d steps run the single pass", self.RETRY)  # fmt: skip
+        if self.skip:
+            self.skip -= 1
+            self.fallbacks += 1
+            return False
+        return True
+
+    def before_download(self, chunks: set[int]) -> None:
+        """Until the last commits of `chunks` have ended, their gradients' buffers still being read (caller holds
+        the executor's condition); a wait marks the step stalled."""
+        if self.pending & chunks:
+            self.stalled = True
+            self.wait(chunks)
 
     def prepare(self, args: StepArgs | None) -> None:
         self.host.staging.make_spare()

@@ -117,7 +117,7 @@ class HostSide:
                 "accumulated twice: use use_reentrant=False"
             )
         with self.executor.condition:  # the last step's commit of these chunks still reads their gradients
-            self.weights_first.wait(set(self.staging.chunks_of[i]))
+            self.weights_first.before_download(set(self.staging.chunks_of[i]))
         self.staging.download(i, grad)
         with self.executor.condition:
             for k in self.record.landed(i, self.staging.chunks_of[i]):
