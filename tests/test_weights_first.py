@@ -127,3 +127,46 @@ def test_after_a_stall_the_single_pass_runs_for_a_while_then_weights_first_again
     assert (
         modes == ["exact"] * WeightsFirstMode.RETRY + ["weights_first"] and policy.fallbacks == WeightsFirstMode.RETRY
     )
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_weights_written_from_outside_win_over_a_commit_still_pending(attached: bool) -> None:
+    """A step's commits held; the user then writes weights (weights_changed()): the next step takes its masters
+    from those weights, as the single pass does, and no late commit writes over them."""
+
+    def go(first: bool) -> list[torch.Tensor]:
+        model = make(torch.float32)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, max_grad_norm=1e-3, chunk_bytes=2048,
+                           weights_first=first)  # fmt: skip
+        if attached:
+            opt.attach(model)
+        host = opt.coordinator.host
+        asked = []
+        wait = WeightsFirstMode.wait
+
+        def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
+            if self.pending & (self.pending if chunks is None else chunks):
+                asked.append(True)
+                self.host.executor.condition.notify_all()
+            wait(self, chunks)
+
+        host.weights_first.wait = waiting.__get__(host.weights_first)
+        host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
+        gen = torch.Generator().manual_seed(1)
+        for k in range(3):
+            x = torch.randn(8, 24, generator=gen)
+            F.mse_loss(model(x), x[:, :6]).backward()
+            opt.step()
+            opt.zero_grad()
+            asked.clear()
+            if k == 0:
+                if attached:  # the weights are back before they are overwritten (this also ends the commits)
+                    opt.synchronize()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+                opt.weights_changed()
+        opt.synchronize()
+        return bits(model, opt)
+
+    assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))

@@ -235,8 +235,11 @@ class HostSide:
         self.state.settle(params)
 
     def drop_late_for(self, moved: set[int], why: str = "were written outside the optimizer") -> None:
-        """Parameters written outside the optimizer keep those weights: a pending delayed upload is dropped."""
+        """Parameters written outside the optimizer keep those weights: a pending delayed upload is dropped, and
+        the last step's commits end first (their masters are about to follow the new weights)."""
         self.delayed.drop_for(moved, why)
+        with self.executor.condition:
+            self.weights_first.wait()
 
     def close(self) -> None:
         self.executor.close()
