@@ -559,3 +559,27 @@ def test_explain_names_what_bound_the_choice_in_words_and_gib(kw: dict, binding:
     assert gib_text(x.budget_bytes) in text and gib_text(d["predicted_peak_bytes"]) in text, text
     if binding == "host_memory":
         assert gib_text(x.host_budget_bytes) in text and f"at most ratio {d['fastest_fitting_ratio']:.2f}" in text
+
+
+def test_weights_first_is_predicted_where_the_cpu_has_room_and_never_slower() -> None:
+    from twinflow.tune import COMMIT, PEEK
+
+    def both(x: Inputs, r: float, **kw) -> tuple[float, float]:
+        return predict_time(x, r, "first", True, False, **kw), predict_time(x, r, "first", True, False,
+                                                                             weights_first=True, **kw)  # fmt: skip
+
+    short, long = inputs(), inputs(forward_s=2.0, backward_s=4.0)
+    for x in (short, long):
+        for r in GRID:
+            single, first = both(x, r)
+            assert first <= single  # where the commits cannot keep up, the single pass runs
+            cpu = r * x.elements / x.cpu_elements_per_s
+            assert first == single or first >= (PEEK + COMMIT) * cpu  # the CPU's whole work fits in the step
+    single, first = both(short, 1.0)
+    assert first == single  # the whole model on a CPU that already bounds the step: nothing to gain
+    single, first = both(long, 0.5)
+    assert first < single  # a long iteration: the peek's shorter critical path shows
+    for kw in ({"delayed": True}, {"speculative": True}):
+        assert both(long, 0.5, **kw)[0] == both(long, 0.5, **kw)[1]  # those schedules do not go weights first
+    decision = choose_ratio(long, "first", True, False, weights_first=True)
+    assert decision["weights_first"] is True and "chose" in explain(decision)

@@ -41,6 +41,7 @@ class HostSide(Protocol):
     streams: Streams
     delayed: DelayedMode
     timeline: list[dict] | None
+    ready_at: list[float]
 
     @property
     def released_args(self) -> StepArgs | None: ...
@@ -62,9 +63,8 @@ class HostSide(Protocol):
     def upload(self, k: int, pieces: list[Piece], sources: list[torch.Tensor]) -> None: ...
 
     def kernel(self, ready: torch.cuda.Event | NoEvent | None, pieces: list[Piece], grads: list[torch.Tensor],
-               args: StepArgs, scale: float | None, apart: bool = False, outs: object = ...) -> float: ...  # fmt: skip
-
-    def peek_chunk(self, k: int, pieces: list[Piece], args: StepArgs) -> float: ...
+               args: StepArgs, scale: float | None, apart: bool = False, outs: object = ...,
+               peek: bool = False) -> float: ...  # fmt: skip
 
 
 class ExactMode:
@@ -156,7 +156,7 @@ class WeightsFirstMode(ExactMode):
             pieces, args = host.live(k), host.record.args
             self.pending.add(k)
         try:
-            scale = host.peek_chunk(k, pieces, args)
+            scale = self.peek(k, pieces, args)
         except BaseException:
             self.committed(k)
             raise
@@ -164,6 +164,25 @@ class WeightsFirstMode(ExactMode):
             host.mark_done([k])
         with host.executor.condition:  # the last chunks' gradients land first in the next backward
             host.executor.submit(Job("commit", k, partial(self.commit, k, pieces, args, scale), lambda: (2, -k)))
+
+    def peek(self, k: int, pieces: list[Piece], args: StepArgs) -> float:
+        """Chunk k's new weights (the state left as it was) into the second buffer set, once its gradients are
+        down and its last upload from there has ended, then uploaded; returns the multiplier."""
+        host, chunk = self.host, self.host.staging.chunks[k]
+        picked = time.perf_counter()
+        chunk.grad_ready.synchronize()
+        chunk.uploaded.synchronize()  # the last step's weights have left the second set
+        start = time.perf_counter()
+        outs = host.spare_views(pieces)
+        host.record.scale = host.kernel(None, pieces, host.host_views(pieces), args, host.record.scale, outs=outs,
+                                        peek=True)  # fmt: skip
+        kernel_end = time.perf_counter()
+        host.upload(k, pieces, outs)
+        if host.timeline is not None:
+            host.timeline.append({"chunk": k, "ready": host.ready_at[k], "picked": picked, "start": start,
+                                  "kernel_end": kernel_end, "end": time.perf_counter(), "peek": True,
+                                  "elements": sum(pc.numel for pc in pieces)})  # fmt: skip
+        return host.record.scale
 
     def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None:
         start = time.perf_counter()

@@ -297,24 +297,6 @@ class HostSide:
                             [args.steps[pc.param] for pc in group_pieces], apart, hyper)  # fmt: skip
         return scale
 
-    def peek_chunk(self, k: int, pieces: list[Piece], args: StepArgs) -> float:
-        """Chunk k's new weights (the state left as it was) into the second buffer set, once its gradients are
-        down and its last upload from there has ended, then uploaded; returns the multiplier."""
-        picked = time.perf_counter()
-        self.staging.chunks[k].grad_ready.synchronize()
-        self.staging.chunks[k].uploaded.synchronize()  # the last step's weights have left the second set
-        start = time.perf_counter()
-        outs = self.spare_views(pieces)
-        self.record.scale = self.kernel(None, pieces, self.host_views(pieces), args, self.record.scale, outs=outs,
-                                        peek=True)  # fmt: skip
-        kernel_end = time.perf_counter()
-        self.upload(k, pieces, outs)
-        if self.timeline is not None:
-            self.timeline.append({"chunk": k, "ready": self.ready_at[k], "picked": picked, "start": start,
-                                  "kernel_end": kernel_end, "end": time.perf_counter(), "peek": True,
-                                  "elements": sum(pc.numel for pc in pieces)})  # fmt: skip
-        return self.record.scale
-
     def run_chunk(self, k: int, args: StepArgs, speculative: bool = False) -> None:
         """Steps chunk k once its gradients are down and uploads it; `speculative`: with multiplier 1, out of
         place, the weights left in the spare buffer for the verdict."""

@@ -27,6 +27,10 @@ F and B: forward and backward time):
   speculating under clipping (``speculate``, attached): the eager window,
   which holds while steps do not clip (once they keep clipping, speculation
   turns itself off and the clipping window applies).
+  With ``weights_first`` (fp32, not eager, delayed or speculative): the CPU's
+  work after the norm is the peek (PEEK x C), and the whole CPU work (PEEK +
+  COMMIT) x C must fit in the step: max(that step, (PEEK + COMMIT) C), or the
+  single pass's time where it is faster (the runtime falls back to it).
   k = 0.25 is the part of the CPU's work that shows on the critical path even
   when it fits the window (the worker's threads and copies slow the thread
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
@@ -91,6 +95,8 @@ log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
+# weights first: the peek's and the commit's time against the single pass's (benchmarks/bench_peek.py, H100 host)
+PEEK, COMMIT = 0.71, 0.90
 
 
 @dataclass
@@ -154,7 +160,7 @@ def predict_peak(inputs: Inputs, ratio: float) -> float:
 
 def predict_time(
     inputs: Inputs, ratio: float, placement: str, overlap: bool, eager: bool, delayed: bool = False,
-    speculative: bool = False,
+    speculative: bool = False, weights_first: bool = False,
 ) -> float:  # fmt: skip
     cpu = ratio * inputs.elements / inputs.cpu_elements_per_s
     if ratio > 0:
@@ -164,27 +170,36 @@ def predict_time(
     f, b = inputs.forward_s, inputs.backward_s
     if inputs.device_is_cpu:  # one set of cores runs both sides and the model: nothing hides behind anything
         return f + b + gpu + cpu
-    if not overlap and not delayed:
-        return f + b + max(gpu, cpu)
     if delayed:
         window = gpu + f + b
     elif eager or speculative:
         window = b + gpu + (1 - ratio) * f if placement == "last" else ratio * b + gpu + ratio * f
     else:
         window = gpu + (1 - ratio) * f if placement == "last" else gpu + ratio * f
-    return f + b + gpu + max(_INTERFERENCE * cpu, cpu - window)
+
+    def with_cpu(critical: float) -> float:  # the step, with `critical` seconds of CPU work after the norm
+        if not overlap and not delayed:
+            return f + b + max(gpu, critical)
+        return f + b + gpu + max(_INTERFERENCE * critical, critical - window)
+
+    single = with_cpu(cpu)
+    if not weights_first or delayed or eager or speculative:
+        return single
+    # weights first: the peek on the critical path, the commit behind it, and the CPU's whole work within a step;
+    # where that is slower, the commits stall and the single pass runs (its fallback)
+    return min(single, max(with_cpu(PEEK * cpu), (PEEK + COMMIT) * cpu))
 
 
 def choose_ratio(
     inputs: Inputs, placement: str, overlap: bool, eager: bool, grid: int = 100, delayed: bool = False,
-    speculative: bool = False,
+    speculative: bool = False, weights_first: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The decision and what it rests on (see the module docstring for the rule and ``binding``)."""
     ratios = [k / grid for k in range(grid + 1)]
     table = [
         {
             "ratio": r,
-            "time_s": predict_time(inputs, r, placement, overlap, eager, delayed, speculative),
+            "time_s": predict_time(inputs, r, placement, overlap, eager, delayed, speculative, weights_first),
             "peak_bytes": predict_peak(inputs, r),
             "host_bytes": predict_host(inputs, r),
         }
@@ -215,6 +230,7 @@ def choose_ratio(
         "eager": eager,
         "delayed": delayed,
         "speculative": speculative,
+        "weights_first": weights_first,
         "inputs": asdict(inputs),
     }
 
@@ -258,7 +274,7 @@ def explain(decision: dict[str, Any]) -> str:
     x = Inputs(**decision["inputs"])
     ratio, binding = decision["ratio"], decision.get("binding", "time")
     times = {r: predict_time(x, r, decision["placement"], decision["overlap"], decision["eager"],
-                             decision["delayed"], decision["speculative"])
+                             decision["delayed"], decision["speculative"], decision.get("weights_first", False))
              for r in (0.0, ratio, 1.0 - ratio, 1.0, decision["fastest_fitting_ratio"])}  # fmt: skip
     peak, host = decision["predicted_peak_bytes"], decision["predicted_host_bytes"]
     budget = "no device memory limit" if x.budget_bytes is None else f"a device memory budget of {_gib(x.budget_bytes)}"
@@ -392,6 +408,7 @@ class IterationProbe:
         delayed: bool = False,
         speculative: bool = False,
         state_precision: str = "fp32",
+        weights_first: bool = False,
     ) -> dict[str, Any]:
         """Measures what the first iteration left (memory, times) and the probes, and chooses (choose_ratio's
         decision, plus ``release_grads`` and ``state_precision``). Called at the first ``step()``."""
@@ -440,14 +457,15 @@ class IterationProbe:
                 self.device, probe_n if on_cpu else min(elements, 1 << 22) or 1, dtype=dtype, tensors=tensors
             ),
             pcie_bytes_per_s=pcie_rate(self.device),
-            host_bytes_per_element=host_bytes_per_element(
-                state_precision, grad_bytes / max(elements, 1), delayed, speculative
+            host_bytes_per_element=host_bytes_per_element(  # weights first keeps a second staging set too
+                state_precision, grad_bytes / max(elements, 1), delayed or weights_first, speculative
             ),  # fmt: skip
             host_budget_bytes=host_budget,
             state_precision=state_precision,
             device_is_cpu=on_cpu,
             elements_by_dtype={str(d).removeprefix("torch."): n for d, n in by_dtype.items()},
         )
-        decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative)
+        decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative,
+                                weights_first=weights_first and state_precision == "fp32")  # fmt: skip
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
         return decision
