@@ -183,6 +183,8 @@ def test_state_dict_opt_state_and_checkpoints_are_read_while_offloaded(
         assert opt.state[p]["exp_avg"].cpu().equal(want["state"][opt.coordinator.split.index[id(p)]]["exp_avg"].cpu())
     save_checkpoint(tmp_path, "away", model=model, optimizer=opt)  # the weights read where they are, too
     assert opt.offload.offloaded
+    here, away = ((tmp_path / tag / "rank0.pt").stat().st_size for tag in ("here", "away"))
+    assert away <= here * 1.05  # each tensor's own bytes, not the whole buffer its host view lies in
     opt.reload_states()
     for tag in ("here", "away"):  # both load into a fresh pair to the same model and state
         fresh = make(seed=7).to(device)
@@ -349,3 +351,64 @@ def test_the_weights_stay_while_a_step_is_under_way() -> None:
     assert opt.offload_states() > 0  # the state and the gradients may go
     opt.reload_states()
     opt.step()
+
+
+def test_a_failed_offload_gives_everything_back() -> None:
+    """A storage that cannot be freed (here a weight over numpy's memory) fails the offload part way: every
+    storage keeps or gets back its memory and bytes, nothing counts as offloaded, and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 300), torch.nn.GELU(), torch.nn.Linear(300, 5))
+    model[2].weight.data = torch.from_numpy(model[2].weight.detach().numpy().copy())  # not resizable
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5)
+    x, y = batch(torch.Generator().manual_seed(1))
+    F.mse_loss(model(x.float()), y).backward()
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="resiz"):
+        opt.offload_states(weights=True)
+    assert not opt.offload.offloaded and not opt.coordinator.split.offloaded
+    assert all(p.untyped_storage().nbytes() for p in model.parameters())
+    assert all(p.detach().equal(w) for p, w in zip(model.parameters(), weights))
+    after = opt.state_dict()
+    assert all(after["state"][i][k].equal(v) for i, e in before["state"].items() for k, v in e.items())
+    opt.step()  # still trains
+
+
+def test_zero_grad_while_offloaded_drops_the_gradients_or_refuses() -> None:
+    def go(cycle: bool) -> list[torch.Tensor]:
+        model, opt = trained(0.5, "fp32")
+        x, y = batch(torch.Generator().manual_seed(4))
+        F.mse_loss(model(x).float(), y).backward()
+        if cycle:
+            with_grads = opt.offload_states()
+            with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\) while the gradients are offloaded"):
+                opt.zero_grad(set_to_none=False)
+            opt.zero_grad()  # the gradients are dropped: not brought back
+            assert all(p.grad is None for p in model.parameters())
+            assert 0 < opt.reload_states() < with_grads
+        else:
+            opt.zero_grad()
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        return bits(model, opt)
+
+    assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))
+
+
+def test_a_copy_taken_before_the_offload_and_written_while_offloaded_lands() -> None:
+    def go(cycle: bool) -> list[torch.Tensor]:
+        model, opt = trained(0.5, "int8_m24")
+        copies = [opt.state[p]["exp_avg"] for p in model.parameters()]  # compact state: copies
+        if cycle:
+            opt.offload_states()
+        for c in copies:
+            c.mul_(0.5)
+        if cycle:
+            opt.reload_states()
+        x, y = batch(torch.Generator().manual_seed(4))
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        return bits(model, opt)
+
+    assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))

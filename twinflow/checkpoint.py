@@ -78,7 +78,7 @@ __all__ = ["CheckpointError", "load_checkpoint", "read_meta", "save_checkpoint"]
 def _local_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, torch.Tensor]:
     """The model's state as this rank holds it (FSDP2: local shards), read where ``offload_states`` moved it."""
     view = optimizer.offload.host_view if isinstance(optimizer, TwinFlowAdam) else lambda t: t
-    return {key: view(local(value)) for key, value in model.state_dict().items()}
+    return {key: v if (v := view(x)) is x else v.clone() for key, t in model.state_dict().items() for x in [local(t)]}
 
 
 def _check_tag(tag: Any) -> None:

@@ -207,10 +207,12 @@ class CompactDeviceState:
         return [t for st in self.states for t in (st.master, st.residual, *st.codes) if t is not None]
 
     def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CompactDeviceState:
-        """The same state over `fn(t)` for every tensor t it holds, the weights included, its arithmetic on the
-        host (``offload_states()``: host views of the moved bytes)."""
+        """The same state over `fn(t)` for every tensor t it holds, the weights included, its arithmetic where
+        the codes are (``offload_states()``: host views of the moved bytes)."""
         other = CompactDeviceState.__new__(CompactDeviceState)
-        other.weights, other.device = [fn(w) for w in self.weights], torch.device("cpu")
+        other.weights = [fn(w) for w in self.weights]
+        # on the host where the codes moved; where they stayed (only the gradients moved), on the device
+        other.device = fn(self.states[0].codes[0]).device if self.states else self.device
         other.states = [replace(st, weight=fn(st.weight), master=None if st.master is None else fn(st.master),
                                 residual=None if st.residual is None else fn(st.residual),
                                 codes=[fn(c) for c in st.codes]) for st in self.states]  # fmt: skip

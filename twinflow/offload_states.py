@@ -98,6 +98,7 @@ class StateOffload:
         self.allocations = 0  # how many times the buffer was (re)allocated: once, in steady use
         self.out: list[tuple[torch.UntypedStorage, int, int]] = []
         self.place: dict[int, tuple[int, int]] = {}  # id(storage) -> (offset, bytes), while out
+        self.transient: set[int] = set()  # id(storage) of the gradients among them
 
     def check(self, what: str) -> None:
         """Raises while the state is out: `what` would write tensors that have no memory now."""
@@ -132,9 +133,11 @@ class StateOffload:
         return self.buffer
 
     @torch.no_grad()
-    def offload(self, tensors: list[torch.Tensor], reserve: int = 0) -> int:
+    def offload(self, tensors: list[torch.Tensor], reserve: int = 0, transient: list[torch.Tensor] = ()) -> int:
         """Moves the storages of `tensors` (each once) into the buffer and frees them; returns the bytes moved.
-        A new buffer holds at least `reserve` bytes (what a later offload may move: gradients absent now)."""
+        A new buffer holds at least `reserve` bytes (what a later offload may move: gradients absent now).
+        `transient` (among `tensors`): freed soon after the reload (gradients). If anything fails, every storage
+        keeps (or gets back) its memory and bytes, and nothing is out."""
         storages: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
             s = t.untyped_storage()
@@ -142,47 +145,72 @@ class StateOffload:
                 storages.setdefault(id(s), s)
         if not storages:
             return 0
-        cuda = any(s.device.type == "cuda" for s in storages.values())
-        total = sum(s.nbytes() for s in storages.values())
+        device = next(iter(storages.values())).device
+        cuda = device.type == "cuda"
         room = sum(_aligned(s.nbytes()) for s in storages.values())
         buffer = self._room(room, max(room, reserve), cuda)
-        stream = torch.cuda.Stream() if cuda else None
+        stream = torch.cuda.Stream(device) if cuda else None
         if stream is not None:  # every stream's work on these tensors is done (a step's gradient downloads too)
-            torch.cuda.synchronize(stream.device)
-        offset = 0
+            torch.cuda.synchronize(device)
+        offset, out, place = 0, [], {}
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for key, s in storages.items():
                 n = s.nbytes()
                 buffer[offset : offset + n].copy_(_bytes(s), non_blocking=cuda)
-                self.out.append((s, offset, n))
-                self.place[key] = (offset, n)
+                out.append((s, offset, n))
+                place[key] = (offset, n)
                 offset += _aligned(n)
         if stream is not None:
             stream.synchronize()  # the bytes are on the host before the device memory is handed back
-        for s, _, _ in self.out:
-            s.resize_(0)
+        freed = []
+        try:
+            for s, offset, n in out:
+                s.resize_(0)  # refused for a storage that cannot resize (shared memory, DLPack)
+                freed.append((s, offset, n))
+        except BaseException:
+            self.out = freed
+            self.reload()  # what was freed gets its memory and bytes back
+            raise
+        self.out, self.place = out, place
+        self.transient = {id(t.untyped_storage()) for t in transient}
         if cuda:
             torch.cuda.empty_cache()
-        return total
+        return sum(n for _, _, n in out)
 
     @torch.no_grad()
     def reload(self) -> int:
         """Gives every storage moved out its size and bytes back; returns the bytes moved."""
         if not self.out:
             return 0
-        cuda = any(s.device.type == "cuda" for s, _, _ in self.out)
-        stream = torch.cuda.Stream() if cuda else None
-        total = 0
+        device = self.out[0][0].device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        for s, _, n in self.out:
+            if id(s) in self.transient:  # gradients, freed soon: from the current stream's pool, for its reuse
+                s.resize_(n)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for s, _, n in self.out:
+                if id(s) not in self.transient:  # the state: in segments of its own, all handed back at an offload
+                    s.resize_(n)
+                    if stream is not None:  # used on the current stream: a free waits for its work there
+                        _bytes(s).record_stream(torch.cuda.current_stream(device))
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for s, offset, n in self.out:
-                s.resize_(n)
-                _bytes(s).copy_(self.buffer[offset : offset + n], non_blocking=cuda)
-                total += n
+                _bytes(s).copy_(self.buffer[offset : offset + n], non_blocking=stream is not None)
         if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)  # the compute stream sees the bytes before it reads
+            torch.cuda.current_stream(device).wait_stream(stream)  # the compute stream sees the bytes first
             stream.synchronize()  # and the buffer may be written again by the next offload
-        self.out, self.place = [], {}
+        total = sum(n for _, _, n in self.out)
+        self.out, self.place, self.transient = [], {}, set()
         return total
+
+    def forget(self, tensors: list[torch.Tensor]) -> None:
+        """The storages of `tensors` are not brought back (``zero_grad(set_to_none=True)`` dropped the gradients
+        they held): their bytes stay in the buffer unused."""
+        gone = {id(t.untyped_storage()) for t in tensors}
+        self.out = [(s, offset, n) for s, offset, n in self.out if id(s) not in gone]
+        self.place = {k: v for k, v in self.place.items() if k not in gone}
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -218,7 +246,7 @@ def offload(opt: Any, include: object, weights: bool) -> int:
                      if q.requires_grad)  # fmt: skip
     unique = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in kept}
     reserve = sum(map(_aligned, unique.values())) + (grad_bytes if "grads" in kinds else 0)
-    moved = opt.offload.offload(kept + grads, reserve)
+    moved = opt.offload.offload(kept + grads, reserve, transient=grads)
     if moved:
         split.stand_in(split.device_state.mapped(opt.offload.host_view))
     log.info("offload_states(): %.2f GiB moved to host memory", moved / 2**30)
@@ -235,3 +263,16 @@ def reload(opt: Any) -> int:
     moved = opt.offload.reload()
     split.come_back()
     return moved
+
+
+def before_zero_grad(opt: Any, set_to_none: bool) -> None:
+    """TwinFlowAdam.zero_grad while offloaded: gradients set to None are not brought back; zeroing them in place
+    would write memory they do not have, and is refused."""
+    if not opt.offload.offloaded:
+        return
+    grads = [distributed.local(p.grad) for p in opt.coordinator.split.params if p.grad is not None]
+    if not set_to_none and any(g.untyped_storage().nbytes() == 0 for g in grads):
+        raise RuntimeError("zero_grad(set_to_none=False) while the gradients are offloaded (offload_states()): "
+                           "they have no device memory to zero; call zero_grad() to drop them, or reload_states() "
+                           "first")  # fmt: skip
+    opt.offload.forget(grads)

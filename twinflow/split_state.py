@@ -141,17 +141,17 @@ class SplitState:
         """``offload_states()``: `mirror`, the device state over host views of the moved bytes, serves reads and
         in-place writes until :meth:`come_back`; ``opt.state`` takes its entries again (copies, not views)."""
         self.away, self.device_state = self.device_state, mirror
-        self.generation += 1
-        self.handed.clear()
+        self.generation += 1  # copies handed out before stay tracked: a write to one lands in the stand-in
 
     def come_back(self) -> None:
         """``reload_states()``, once the bytes are back: the owner serves again, with the step counts (a write
-        to ``opt.state[p]["step"]`` while offloaded reached the stand-in's)."""
+        to ``opt.state[p]["step"]`` while offloaded reached the stand-in's); copies handed out stay tracked."""
+        if self.away is None:
+            return
         self.device_state, self.away = self.away, None
         for i in range(len(self.params)):
             self.device_state.set_step(i, self.steps[i])
         self.generation += 1
-        self.handed.clear()
 
     def sides(self, i: int) -> list[HostState | device_side.DeviceState | CompactDeviceState]:
         """The state owners holding part of parameter i (none for a frozen one)."""

@@ -278,6 +278,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim's; also forgets gradients already streamed to the host for a step not yet taken."""
+        offload_states.before_zero_grad(self, set_to_none)  # gradients offloaded: dropped, or a clear refusal
         try:
             self.coordinator.zero_grad()  # a clipping coefficient of a step never taken must not reach the next one
         finally:  # a worker's error is raised here, once the step is abandoned and the gradients cleared
