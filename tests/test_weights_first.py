@@ -27,6 +27,23 @@ def bits(model: torch.nn.Module, opt: TwinFlowAdam) -> list[torch.Tensor]:
     return out
 
 
+def hold_commits(host: object) -> list[bool]:
+    """From now on a commit runs only once the main thread waits for commits (the returned list is not empty
+    then; clear it to hold the next ones)."""
+    asked: list[bool] = []
+    wait = WeightsFirstMode.wait
+
+    def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
+        if self.pending & (self.pending if chunks is None else chunks):
+            asked.append(True)
+            self.host.executor.condition.notify_all()
+        wait(self, chunks)
+
+    host.weights_first.wait = waiting.__get__(host.weights_first)
+    host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
+    return asked
+
+
 def run(
     first: bool,
     attached: bool,
@@ -43,26 +60,14 @@ def run(
         opt.attach(model)
     host = opt.coordinator.host
     host.timeline = []
-    if held:  # a commit runs only once the main thread waits for commits
-        asked = []
-        wait = WeightsFirstMode.wait
-
-        def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
-            if self.pending & (self.pending if chunks is None else chunks):
-                asked.append(True)
-                self.host.executor.condition.notify_all()
-            wait(self, chunks)
-
-        host.weights_first.wait = waiting.__get__(host.weights_first)
-        host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
+    asked = hold_commits(host) if held else []
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         x = torch.randn(8, 24, generator=gen).to(device, dtype)
         F.mse_loss(model(x).float(), x[:, :6].float()).backward()
         opt.step()
         opt.zero_grad()
-        if held:
-            asked.clear()  # each step's commits held again
+        asked.clear()  # each step's commits held again
     opt.synchronize()
     commits = sum("commit" in e for e in host.timeline)
     return bits(model, opt), commits, host.chunk_count, host.weights_first.fallbacks
@@ -140,18 +145,7 @@ def test_weights_written_from_outside_win_over_a_commit_still_pending(attached: 
                            weights_first=first)  # fmt: skip
         if attached:
             opt.attach(model)
-        host = opt.coordinator.host
-        asked = []
-        wait = WeightsFirstMode.wait
-
-        def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
-            if self.pending & (self.pending if chunks is None else chunks):
-                asked.append(True)
-                self.host.executor.condition.notify_all()
-            wait(self, chunks)
-
-        host.weights_first.wait = waiting.__get__(host.weights_first)
-        host.executor.gate = lambda job: job.kind != "commit" or bool(asked)
+        asked = hold_commits(opt.coordinator.host)
         gen = torch.Generator().manual_seed(1)
         for k in range(3):
             x = torch.randn(8, 24, generator=gen)

@@ -41,7 +41,6 @@ class HostSide(Protocol):
     streams: Streams
     delayed: DelayedMode
     timeline: list[dict] | None
-    ready_at: list[float]
 
     @property
     def released_args(self) -> StepArgs | None: ...
@@ -50,7 +49,7 @@ class HostSide(Protocol):
 
     def seal_ready(self, args: StepArgs) -> None: ...
 
-    def run_chunk(self, k: int, args: StepArgs, speculative: bool = False) -> None: ...
+    def run_chunk(self, k: int, args: StepArgs, speculative: bool = False, peek: bool = False) -> list[Piece]: ...
 
     def mark_done(self, chunks: list[int]) -> None: ...
 
@@ -153,36 +152,18 @@ class WeightsFirstMode(ExactMode):
     def run(self, k: int) -> None:
         host = self.host
         with host.executor.condition:
-            pieces, args = host.live(k), host.record.args
-            self.pending.add(k)
+            args = host.record.args
+            self.pending.add(k)  # before the peek: the next step's gradients of chunk k wait for its commit
         try:
-            scale = self.peek(k, pieces, args)
+            pieces = host.run_chunk(k, args, peek=True)
         except BaseException:
             self.committed(k)
             raise
         finally:
             host.mark_done([k])
+        scale = host.record.scale
         with host.executor.condition:  # the last chunks' gradients land first in the next backward
             host.executor.submit(Job("commit", k, partial(self.commit, k, pieces, args, scale), lambda: (2, -k)))
-
-    def peek(self, k: int, pieces: list[Piece], args: StepArgs) -> float:
-        """Chunk k's new weights (the state left as it was) into the second buffer set, once its gradients are
-        down and its last upload from there has ended, then uploaded; returns the multiplier."""
-        host, chunk = self.host, self.host.staging.chunks[k]
-        picked = time.perf_counter()
-        chunk.grad_ready.synchronize()
-        chunk.uploaded.synchronize()  # the last step's weights have left the second set
-        start = time.perf_counter()
-        outs = host.spare_views(pieces)
-        host.record.scale = host.kernel(None, pieces, host.host_views(pieces), args, host.record.scale, outs=outs,
-                                        peek=True)  # fmt: skip
-        kernel_end = time.perf_counter()
-        host.upload(k, pieces, outs)
-        if host.timeline is not None:
-            host.timeline.append({"chunk": k, "ready": host.ready_at[k], "picked": picked, "start": start,
-                                  "kernel_end": kernel_end, "end": time.perf_counter(), "peek": True,
-                                  "elements": sum(pc.numel for pc in pieces)})  # fmt: skip
-        return host.record.scale
 
     def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None:
         start = time.perf_counter()

@@ -116,8 +116,9 @@ class HostSide:
                 "used both inside and outside a reentrant activation checkpoint (use_reentrant=True) is also "
                 "accumulated twice: use use_reentrant=False"
             )
-        with self.executor.condition:  # the last step's commit of these chunks still reads their gradients
-            self.weights_first.before_download(set(self.staging.chunks_of[i]))
+        if self.weights_first.pending:  # the last step's commit of these chunks may still read their gradients
+            with self.executor.condition:
+                self.weights_first.before_download(set(self.staging.chunks_of[i]))
         self.staging.download(i, grad)
         with self.executor.condition:
             for k in self.record.landed(i, self.staging.chunks_of[i]):
@@ -297,27 +298,33 @@ class HostSide:
                             [args.steps[pc.param] for pc in group_pieces], apart, hyper)  # fmt: skip
         return scale
 
-    def run_chunk(self, k: int, args: StepArgs, speculative: bool = False) -> None:
-        """Steps chunk k once its gradients are down and uploads it; `speculative`: with multiplier 1, out of
-        place, the weights left in the spare buffer for the verdict."""
+    def run_chunk(self, k: int, args: StepArgs, speculative: bool = False, peek: bool = False) -> list[Piece]:
+        """Steps chunk k once its gradients are down and uploads it; returns its pieces. `speculative`: with
+        multiplier 1, out of place, the weights left in the spare buffer for the verdict. `peek`: the weights
+        only, into the spare buffer (once its last upload has ended), the state left as it was."""
         with self.executor.condition:
             pieces = self.live(k)
         grads = self.host_views(pieces)
         picked = time.perf_counter()
         self.staging.chunks[k].grad_ready.synchronize()
+        if peek:
+            self.staging.chunks[k].uploaded.synchronize()  # the last step's weights have left the spare buffer
         start = time.perf_counter()
+        outs = self.spare_views(pieces) if peek else grads
         if speculative:
             self.kernel(None, pieces, grads, args, 1.0, apart=True)
         else:
-            self.record.scale = self.kernel(None, pieces, grads, args, self.record.scale)
+            self.record.scale = self.kernel(None, pieces, grads, args, self.record.scale, outs=outs, peek=peek)
         kernel_end = time.perf_counter()
         if not speculative:
-            self.upload(k, pieces, grads)
+            self.upload(k, pieces, outs)
         if self.timeline is not None:
             times = {"ready": self.ready_at[k], "picked": picked, "start": start, "kernel_end": kernel_end}
             self.timeline.append({"chunk": k, **times, "end": time.perf_counter(),
                                   "elements": sum(pc.numel for pc in pieces),
-                                  **({"speculative": True} if speculative else {})})  # fmt: skip
+                                  **({"speculative": True} if speculative else {}),
+                                  **({"peek": True} if peek else {})})  # fmt: skip
+        return pieces
 
 
 class NoHost:

@@ -110,10 +110,6 @@ class StateOffload:
     def offloaded(self) -> bool:
         return bool(self.out)
 
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(n for _, _, n in self.out)
-
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
         """`t` itself unless its storage is out; then a host tensor over its bytes in the buffer, with its dtype,
         shape, strides and offset (reads see the moved values, writes reach what ``reload`` brings back)."""
@@ -232,8 +228,7 @@ def offload(opt: Any, include: object, weights: bool) -> int:
     if split.step_open and weights:  # the CPU share may be stepping, and writing its weights, right now
         raise RuntimeError("offload_states(weights=True) between backward and step(): the CPU share may be "
                            "writing the weights; call step() first (the state and gradients may move now)")  # fmt: skip
-    if not split.step_open:
-        split.settle_state()
+    if not split.step_open:  # synchronize() settled the state
         split.absorb_edits()  # in-place writes to opt.state's copies reach the state before it moves
     kept: list[torch.Tensor] = []  # what is always there: the state, and the weights if asked
     if "optimizer" in kinds:

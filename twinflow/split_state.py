@@ -135,7 +135,7 @@ class SplitState:
 
     def weight(self, i: int) -> torch.Tensor:
         """Parameter i as this process holds it, where it can be read now (host memory while offloaded)."""
-        return self.device_state.weights[i] if self.offloaded else self.locals[i]
+        return self.device_state.weights[i]  # the stand-in's are host views where the weights moved
 
     def stand_in(self, mirror: device_side.DeviceState | CompactDeviceState) -> None:
         """``offload_states()``: `mirror`, the device state over host views of the moved bytes, serves reads and
