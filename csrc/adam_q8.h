@@ -100,22 +100,47 @@ inline typename V::reg m24_decode(const Q8Span& s, int64_t i) {
 }
 
 // A float32 master to 24 bits, rounded up in magnitude with the probability that keeps it right on average
-// (noise: 8 random bits per lane); stores it and returns its top 24 bits (the pattern shifted right by 8). A NaN
-// is cut, not rounded: with its payload all ones (CUDA's NaN) the add would carry into the sign, giving -0.
+// (noise: 8 random bits per lane): its top 24 bits (the pattern shifted right by 8). A NaN is cut, not rounded:
+// with its payload all ones (CUDA's NaN) the add would carry into the sign, giving -0.
+template <class V>
+inline typename V::ireg m24_round(typename V::reg x, typename V::ireg noise) {
+  noise = V::select_ge(V::abs(x), V::set1(0.0f), noise, V::iset1(0));  // false only for NaN
+  return V::template srl<8>(V::iadd(V::bits(x), noise));
+}
+
+// m24_round, stored as the 24-bit master; returns its top 24 bits.
 template <class V>
 inline typename V::ireg m24_encode(const Q8Span& s, int64_t i, typename V::reg x, typename V::ireg noise) {
-  noise = V::select_ge(V::abs(x), V::set1(0.0f), noise, V::iset1(0));  // false only for NaN
-  const typename V::ireg t = V::template srl<8>(V::iadd(V::bits(x), noise));
+  const typename V::ireg t = m24_round<V>(x, noise);
   V::store(&s.master_hi[i].bits, V::template srl<8>(t));
   V::store(s.master_lo + i, V::iand(t, V::iset1(0xFF)));
   return t;
 }
 
-// Pass 1 over a block: decode, step, keep the new moments (and, with 24-bit masters, the new master: it is
-// rounded with the same per-element hash in pass 2) in block buffers while tracking the largest.
-template <class V, class G, class O, bool kM24>
-inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
-                           float* mbuf, float* vbuf, float* pbuf, typename V::reg& max_m, typename V::reg& max_v) {
+// The weight copy of a rounded 24-bit master t (its top 24 bits). A bfloat16 weight is the master rounded to the
+// nearest, ties away from zero (as the device side keeps its weights, twinflow/weight_master.py): bit 0 set
+// where the cut byte is 0x80 or more turns a tie into a value above it, which the store's round-to-nearest-even
+// takes up in magnitude; nothing else moves. Any other copy is the master itself.
+template <class V, class O>
+inline void m24_weight(const Q8Span& s, int64_t i, typename V::ireg t) {
+  using ireg = typename V::ireg;
+  if constexpr (std::is_same_v<O, bf16_t>) {
+    const ireg tie = V::iand(V::template srl<7>(t), V::iset1(1));
+    V::store(static_cast<O*>(s.out) + i, V::from_bits(V::ior(V::template sll<8>(t), tie)));
+  } else if constexpr (!std::is_same_v<O, no_out_t>) {
+    V::store(static_cast<O*>(s.out) + i, V::from_bits(V::template sll<8>(t)));
+  }
+}
+
+// The update's arithmetic on a vector of elements: the new master (unrounded) and moments.
+template <class V>
+struct Q8Step {
+  typename V::reg param, m, v;
+};
+
+template <class V, class G, bool kM24>
+inline Q8Step<V> q8_step_lanes(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km,
+                               const Q8Scale& kv) {
   using reg = typename V::reg;
   using ireg = typename V::ireg;
   reg grad = V::load(static_cast<const G*>(s.grad) + i);
@@ -130,18 +155,27 @@ inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, cons
   const reg denom = V::add(V::mul(V::sqrt(v_new), V::set1(c.inv_bc2_sqrt)), V::set1(c.eps));
   param = V::mul(param, V::set1(c.param_scale));
   param = V::sub(param, V::mul(V::set1(c.step_size), V::div(m_new, denom)));
+  return {param, m_new, v_new};
+}
+
+// Pass 1 over a block: decode, step, keep the new moments (and, with 24-bit masters, the new master: it is
+// rounded with the same per-element hash in pass 2) in block buffers while tracking the largest.
+template <class V, class G, class O, bool kM24>
+inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
+                           float* mbuf, float* vbuf, float* pbuf, typename V::reg& max_m, typename V::reg& max_v) {
+  const Q8Step<V> r = q8_step_lanes<V, G, kM24>(s, c, i, km, kv);
   if constexpr (kM24) {
-    V::store(pbuf, param);
+    V::store(pbuf, r.param);
   } else {
-    V::store(s.param + i, param);
+    V::store(s.param + i, r.param);
     if constexpr (!std::is_same_v<O, no_out_t>) {
-      V::store(static_cast<O*>(s.out) + i, param);
+      V::store(static_cast<O*>(s.out) + i, r.param);
     }
   }
-  V::store(mbuf, m_new);
-  V::store(vbuf, v_new);
-  max_m = V::max(max_m, V::abs(m_new));
-  max_v = V::max(max_v, v_new);
+  V::store(mbuf, r.m);
+  V::store(vbuf, r.v);
+  max_m = V::max(max_m, V::abs(r.m));
+  max_v = V::max(max_v, r.v);
 }
 
 // Stochastic rounding key: new every step (added to the element's index before the hash).
@@ -157,16 +191,7 @@ inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const 
   // are m's least significant noise bits: a correlation far below anything either rounding can show).
   const ireg h = V::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
   if constexpr (kM24) {
-    const ireg t = m24_encode<V>(s, i, V::load(pbuf), V::iand(h, V::iset1(0xFF)));
-    if constexpr (std::is_same_v<O, bf16_t>) {
-      // The weight is the master rounded to the nearest, ties away from zero (as the device side keeps its
-      // weights, twinflow/weight_master.py): bit 0 set where the cut byte is 0x80 or more turns a tie into a
-      // value above it, which the store's round-to-nearest-even takes up in magnitude; nothing else moves.
-      const ireg tie = V::iand(V::template srl<7>(t), V::iset1(1));
-      V::store(static_cast<O*>(s.out) + i, V::from_bits(V::ior(V::template sll<8>(t), tie)));
-    } else if constexpr (!std::is_same_v<O, no_out_t>) {
-      V::store(static_cast<O*>(s.out) + i, V::from_bits(V::template sll<8>(t)));  // the weight is the master's
-    }
+    m24_weight<V, O>(s, i, m24_encode<V>(s, i, V::load(pbuf), V::iand(h, V::iset1(0xFF))));
   }
   const typename V::reg m = V::load(mbuf);
   const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
@@ -218,16 +243,49 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   }
 }
 
-// The bandwidth probe of this access pattern: the same loads and stores (codes written back as read, scales
-// rewritten), trivial arithmetic.
+// The peek (Body::kPeek): q8_range's arithmetic, only the weight copy written: the master the commit (a later
+// q8_range with the same arguments) stores, rounded as it rounds it. Codes, scales and masters are left as they
+// were, and no moment is encoded: the weights do not depend on this step's codes.
 template <class V, class G, class O, bool kM24>
+void q8_peek_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
+  using Tail = VecScalarOf<false>;
+  const AdamConsts c = *s.consts;
+  auto lanes = [&](auto vec, int64_t i, const Q8Scale& km, const Q8Scale& kv) {
+    using W = decltype(vec);
+    const typename W::reg param = q8_step_lanes<W, G, kM24>(s, c, i, km, kv).param;
+    if constexpr (kM24) {
+      const typename W::ireg h = W::hash(s.index_base + static_cast<uint32_t>(i), q8_key(s.step));
+      m24_weight<W, O>(s, i, m24_round<W>(param, W::iand(h, W::iset1(0xFF))));
+    } else {
+      W::store(static_cast<O*>(s.out) + i, param);
+    }
+  };
+  for (int64_t j = block_begin; j < block_end; ++j) {
+    const int64_t lo = j * kQ8Block;
+    const int64_t n = std::min<int64_t>(kQ8Block, s.numel - lo);
+    const Q8Scale km = q8_scale(s.m_scales[j], kQ8TopFieldM), kv = q8_scale(s.v_scales[j], kQ8TopFieldV);
+    int64_t i = 0;
+    for (; i + V::kWidth <= n; i += V::kWidth) lanes(V{}, lo + i, km, kv);
+    for (; i < n; ++i) lanes(Tail{}, lo + i, km, kv);
+  }
+  V::fence_streams();
+}
+
+// The bandwidth probe of this access pattern: the same loads and stores (codes written back as read, scales
+// rewritten), trivial arithmetic; kPeek: the peek's (every load, only the weight copy stored).
+template <class V, class G, class O, bool kM24, bool kPeek>
 void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
   const int64_t begin = block_begin * kQ8Block, end = std::min(s.numel, block_end * kQ8Block);
   auto lanes = [&](auto vec, int64_t i) {
     using W = decltype(vec);
     const typename W::reg master = kM24 ? m24_decode<W>(s, i) : W::load(s.param + i);
-    const typename W::reg x = W::add(master, W::load(static_cast<const G*>(s.grad) + i));
+    typename W::reg x = W::add(master, W::load(static_cast<const G*>(s.grad) + i));
+    if constexpr (kPeek) {  // the codes are read (their low bit kept in the copy's), nothing of the state written
+      const typename W::ireg codes = W::iadd(W::load(s.m_codes + i), W::load(s.v_codes + i));
+      W::store(static_cast<O*>(s.out) + i, W::from_bits(W::ior(W::bits(x), W::iand(codes, W::iset1(1)))));
+      return;
+    }
     if constexpr (kM24) {
       m24_encode<W>(s, i, x, W::iset1(0));
     } else {
@@ -242,7 +300,7 @@ void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   int64_t i = begin;
   for (; i + V::kWidth <= end; i += V::kWidth) lanes(V{}, i);
   for (; i < end; ++i) lanes(Tail{}, i);
-  for (int64_t j = block_begin; j < block_end; ++j) {
+  for (int64_t j = block_begin; j < block_end && !kPeek; ++j) {
     s.m_scales[j] = static_cast<uint8_t>(s.m_scales[j] + 1);
     s.v_scales[j] = static_cast<uint8_t>(s.v_scales[j] + 1);
   }
@@ -254,8 +312,18 @@ void q8_probe_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
 template <class V, class G, class O>
 void q8_body(const Q8Span& s, int64_t begin, int64_t end) {
   const bool m24 = s.master_lo != nullptr;
+  if constexpr (!std::is_same_v<O, no_out_t>) {  // a peek always writes a copy (checked by its caller)
+    if (s.body == Body::kPeek) {
+      return m24 ? q8_peek_range<V, G, O, true>(s, begin, end) : q8_peek_range<V, G, O, false>(s, begin, end);
+    }
+    if (s.body == Body::kPeekProbe) {
+      return m24 ? q8_probe_range<V, G, O, true, true>(s, begin, end)
+                 : q8_probe_range<V, G, O, false, true>(s, begin, end);
+    }
+  }
   if (s.body == Body::kProbe) {
-    return m24 ? q8_probe_range<V, G, O, true>(s, begin, end) : q8_probe_range<V, G, O, false>(s, begin, end);
+    return m24 ? q8_probe_range<V, G, O, true, false>(s, begin, end)
+               : q8_probe_range<V, G, O, false, false>(s, begin, end);
   }
   m24 ? q8_range<V, G, O, true>(s, begin, end) : q8_range<V, G, O, false>(s, begin, end);
 }

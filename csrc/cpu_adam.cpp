@@ -376,13 +376,33 @@ void adam_step_q8(at::TensorList params, at::TensorList grads, at::TensorList m_
                     master_lows);
 }
 
-// The 8-bit mode's memory ceiling: its loads and stores, no Adam arithmetic.
+// adam_step_q8's arithmetic, only the weights written into out_copies (required): codes, scales and masters are
+// left as they were, for a later adam_step_q8 with the same arguments to commit (the master it stores is the one
+// the copy was rounded from, 24-bit rounding included).
+void adam_peek_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
+                  at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies, at::IntArrayRef steps,
+                  at::IntArrayRef index_bases, double lr, double beta1, double beta2, double eps, double weight_decay,
+                  bool adamw_mode, bool bias_correction, double grad_scale, int64_t num_threads, int64_t simd,
+                  at::TensorList master_lows) {
+  TORCH_CHECK_VALUE(out_copies.size() == params.size(),
+                    "adam_peek_q8_: out_copies must have one tensor per param (the peek writes only the weights); "
+                    "got ", out_copies.size(), " for ", params.size(), " params");
+  adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, index_bases, lr, beta1,
+                    beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd, Body::kPeek,
+                    master_lows);
+}
+
+// The 8-bit mode's memory ceiling: its loads and stores, no Adam arithmetic (`peek`: the peek's, which stores
+// only the copies, then required).
 void bandwidth_probe_q8(at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList m_scales,
                         at::TensorList v_codes, at::TensorList v_scales, at::TensorList out_copies,
-                        int64_t num_threads, int64_t simd, at::TensorList master_lows) {
+                        int64_t num_threads, int64_t simd, at::TensorList master_lows, bool peek) {
+  TORCH_CHECK_VALUE(!peek || out_copies.size() == params.size(),
+                    "bandwidth_probe_q8_: peek=True needs one out copy per param; got ", out_copies.size(), " for ",
+                    params.size(), " params");
   std::vector<int64_t> steps(params.size(), 1), bases(params.size(), 0);
   adam_step_q8_impl(params, grads, m_codes, m_scales, v_codes, v_scales, out_copies, steps, bases, 0.0, 0.0, 0.0, 0.0,
-                    0.0, true, true, 1.0, num_threads, simd, Body::kProbe, master_lows);
+                    0.0, true, true, 1.0, num_threads, simd, peek ? Body::kPeekProbe : Body::kProbe, master_lows);
 }
 
 }  // namespace
@@ -405,9 +425,14 @@ TORCH_LIBRARY(twinflow, m) {
       "int[] index_bases, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
       "bool bias_correction, float grad_scale, int num_threads, int simd, Tensor(g!)[] master_lows) -> ()");
   m.def(
+      "adam_peek_q8_(Tensor[] params, Tensor[] grads, Tensor[] exp_avg_codes, Tensor[] exp_avg_scales, "
+      "Tensor[] exp_avg_sq_codes, Tensor[] exp_avg_sq_scales, Tensor(f!)[] out_copies, int[] steps, "
+      "int[] index_bases, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
+      "bool bias_correction, float grad_scale, int num_threads, int simd, Tensor[] master_lows) -> ()");
+  m.def(
       "bandwidth_probe_q8_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_codes, "
       "Tensor(c!)[] exp_avg_scales, Tensor(d!)[] exp_avg_sq_codes, Tensor(e!)[] exp_avg_sq_scales, "
-      "Tensor(f!)[] out_copies, int num_threads, int simd, Tensor(g!)[] master_lows) -> ()");
+      "Tensor(f!)[] out_copies, int num_threads, int simd, Tensor(g!)[] master_lows, bool peek=False) -> ()");
   m.def("cpu_simd_level() -> int", &cpu_simd_level);
   m.def("q8_block_size() -> int", []() -> int64_t { return kQ8Block; });
 }
@@ -419,6 +444,7 @@ TORCH_LIBRARY_IMPL(twinflow, CompositeExplicitAutograd, m) {
   m.impl("adam_peek_", &adam_peek);
   m.impl("bandwidth_probe_", &bandwidth_probe);
   m.impl("adam_step_q8_", &adam_step_q8);
+  m.impl("adam_peek_q8_", &adam_peek_q8);
   m.impl("bandwidth_probe_q8_", &bandwidth_probe_q8);
 }
 

@@ -7,7 +7,7 @@ must be bit for bit the single pass: the peek's weights its copy, the commit's m
 import pytest
 import torch
 
-from twinflow import ops
+from twinflow import compact, ops
 
 HYPER = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-7, num_threads=3)  # 3 threads: cuts fall inside tensors
 
@@ -97,3 +97,84 @@ def test_the_peek_probe_writes_only_the_copies(simd: str) -> None:
                          out_copies=outs, simd=simd, peek=True)  # fmt: skip
     assert all(same(s[k], before[k]) for k in s)
     assert not outs[0].isnan().any()
+
+
+# ---------------------------------------------------------------- 8-bit moments (state_precision int8, int8_m24)
+Q8_SIZES = [1, 255, 257, 1000, 70_001]  # partial blocks, whole ones, thread cuts inside tensors
+
+
+def q8_state(gen: torch.Generator, master: str) -> dict:
+    """Compact state after a few real steps (codes and scales in use), float32 or 24-bit masters."""
+    masters = [torch.randn(n, generator=gen) for n in Q8_SIZES]
+    if master == "m24":
+        masters = [compact.Master24.empty(n).copy_(m) for n, m in zip(Q8_SIZES, masters)]
+    q8 = [compact.fresh(n) for n in Q8_SIZES]
+    for step in (1, 2, 3):
+        grads = [torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3 for n in Q8_SIZES]
+        q8_call({"masters": masters, "q8": q8}, grads, step, None, False, "scalar", 0.5)
+    return {"masters": masters, "q8": q8}
+
+
+def q8_call(s: dict, grads: list, step: int, outs: list | None, peek: bool, simd: str, scale: float,
+            adamw_mode: bool = True) -> None:  # fmt: skip
+    params, m24 = compact.kernel_masters(s["masters"])
+    ops.adam_step_q8_(params, grads, *zip(*s["q8"]), [step] * len(params), out_copies=outs, simd=simd,
+                      index_bases=[31 * i for i in range(len(params))], grad_scale=scale, peek=peek, **m24,
+                      **dict(HYPER, weight_decay=0.1 if adamw_mode else 0.02, adamw_mode=adamw_mode))  # fmt: skip
+
+
+def q8_bits(s: dict) -> list[torch.Tensor]:
+    """Every byte of the state: masters (float32, or hi and lo), codes and scales."""
+    params, m24 = compact.kernel_masters(s["masters"])
+    return [t.view(torch.uint8).clone() for t in params + m24.get("master_lows", []) + [t for q in s["q8"] for t in q]]
+
+
+def q8_clone(s: dict) -> dict:
+    masters = [m.clone() if isinstance(m, torch.Tensor) else compact.Master24(m.hi.clone(), m.lo.clone())
+               for m in s["masters"]]  # fmt: skip
+    return {"masters": masters, "q8": [[t.clone() for t in q] for q in s["q8"]]}
+
+
+@pytest.mark.parametrize("master", ["fp32", "m24"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("adamw_mode", "grad_scale"), [(True, 0.37), (False, 1.0)])
+def test_q8_peek_then_commit_is_the_single_pass_bit_for_bit(
+    simd: str, master: str, out_dtype: torch.dtype, adamw_mode: bool, grad_scale: float
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    start = q8_state(gen, master)
+    grads = [torch.randn(n, generator=gen).bfloat16() for n in Q8_SIZES]
+    single = q8_clone(start)
+    single_out = [torch.empty(n, dtype=out_dtype) for n in Q8_SIZES]
+    q8_call(single, grads, 4, single_out, False, simd, grad_scale, adamw_mode)
+
+    two = q8_clone(start)
+    before = q8_bits(two)
+    peek_out = [torch.full((n,), float("nan"), dtype=out_dtype) for n in Q8_SIZES]  # poisoned
+    q8_call(two, grads, 4, peek_out, True, simd, grad_scale, adamw_mode)
+    assert same(peek_out, single_out)  # the new weights first, bit for bit (24-bit rounding and ties included)
+    assert all(a.equal(b) for a, b in zip(q8_bits(two), before, strict=True))  # nothing of the state written
+    q8_call(two, grads, 4, None, False, simd, grad_scale, adamw_mode)  # the commit: the step without a copy
+    assert all(a.equal(b) for a, b in zip(q8_bits(two), q8_bits(single), strict=True))
+    assert not all(a.equal(b) for a, b in zip(q8_bits(single), before))  # the step moved the state
+
+
+def test_q8_peek_without_copies_is_refused_and_writes_nothing() -> None:
+    s = q8_state(torch.Generator().manual_seed(12), "m24")
+    before = q8_bits(s)
+    grads = [torch.randn(n) for n in Q8_SIZES]
+    with pytest.raises(ValueError, match=r"adam_peek_q8_: out_copies must have one tensor per param .* got 0 for 5"):
+        q8_call(s, grads, 4, None, True, "scalar", 1.0)
+    assert all(a.equal(b) for a, b in zip(q8_bits(s), before, strict=True))
+
+
+@pytest.mark.parametrize("master", ["fp32", "m24"])
+def test_the_q8_peek_probe_writes_only_the_copies(simd: str, master: str) -> None:
+    s = q8_state(torch.Generator().manual_seed(13), master)
+    before = q8_bits(s)
+    outs = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in Q8_SIZES]
+    params, m24 = compact.kernel_masters(s["masters"])
+    ops.bandwidth_probe_q8_(params, [torch.randn(n).bfloat16() for n in Q8_SIZES], *zip(*s["q8"]), out_copies=outs,
+                            simd=simd, peek=True, **m24)  # fmt: skip
+    assert all(a.equal(b) for a, b in zip(q8_bits(s), before, strict=True))
+    assert not any(o.isnan().any() for o in outs)

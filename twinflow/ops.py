@@ -379,6 +379,10 @@ def register_fakes() -> None:
     def _q8_fake(*args, **kwargs) -> None:
         return None
 
+    @torch.library.register_fake("twinflow::adam_peek_q8_")
+    def _q8_peek_fake(*args, **kwargs) -> None:
+        return None
+
     @torch.library.register_fake("twinflow::bandwidth_probe_q8_")
     def _q8_probe_fake(*args, **kwargs) -> None:
         return None
@@ -412,6 +416,7 @@ def adam_step_q8_(
     num_threads: int | None = None,
     simd: str | None = None,
     master_lows: Sequence[torch.Tensor] | None = None,
+    peek: bool = False,
 ) -> None:
     """:func:`adam_step_` with 8-bit moments (``state_precision="int8"``), in place.
 
@@ -429,11 +434,16 @@ def adam_step_q8_(
     ``master_lows`` uint8 tensors the next 8; each step rounds the new
     master to them stochastically (the same hash's low 8 bits), and the
     out copies are the rounded masters.
+
+    ``peek``: the same arithmetic, but only ``out_copies`` (then required)
+    are written; codes, scales and masters stay as they were, and the same
+    call without ``peek`` later commits them (its masters the ones the
+    copies were rounded from).
     """
     if len(params) == 0:
         return
     load()
-    torch.ops.twinflow.adam_step_q8_(
+    (torch.ops.twinflow.adam_peek_q8_ if peek else torch.ops.twinflow.adam_step_q8_)(
         list(params),
         list(grads),
         list(exp_avg_codes),
@@ -460,10 +470,11 @@ def bandwidth_probe_q8_(
     num_threads: int | None = None,
     simd: str | None = None,
     master_lows: Sequence[torch.Tensor] | None = None,
+    peek: bool = False,
 ) -> None:
-    """Moves the same bytes as :func:`adam_step_q8_` with trivial arithmetic: the memory ceiling of the 8-bit
-    mode's access pattern on this host (with ``master_lows``: of 24-bit masters). It overwrites its arguments
-    with meaningless values."""
+    """Moves the same bytes as :func:`adam_step_q8_` (with `peek`, as its peek) with trivial arithmetic: the
+    memory ceiling of the 8-bit mode's access pattern on this host (with ``master_lows``: of 24-bit masters). It
+    overwrites its arguments with meaningless values."""
     if len(params) == 0:
         return
     load()
@@ -473,4 +484,5 @@ def bandwidth_probe_q8_(
         int(num_threads) if num_threads else default_num_threads(),
         resolve_simd(simd),
         list(master_lows) if master_lows is not None else [],
+        bool(peek),
     )
