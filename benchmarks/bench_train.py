@@ -16,6 +16,9 @@ step runs on the CPU):
   twinflow-wf:R     the same with offload_weights_first (exact): under --clip
                 the CPU writes the new weights first (the kernel's peek)
                 and commits its state behind them
+  twinflow-m24:R, twinflow-m24-delay:R, twinflow-m24-wf:R  the same
+                three with offload_state_precision "int8_m24" (8-bit
+                moments, 24-bit masters, on both sides)
   ds-z3:R       DeepSpeed ZeRO-3, bf16; R = 0: no offload, 0 < R < 1: its
                 Twin-Flow (offload_optimizer.ratio), R = 1: ZeRO-Offload
   ds-z2         DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload)

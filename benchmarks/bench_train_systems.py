@@ -12,7 +12,15 @@ SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "twinfl
            "ds-super", "torchao")  # fmt: skip
 DEEPSPEED = ("ds-z3", "ds-z2", "ds-zenflow", "ds-super")
 ZERO_STAGE_2 = ("ds-z2", "ds-zenflow")
-TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec", "twinflow-wf")
+TWINFLOW = (
+    "twinflow",
+    "twinflow-delay",
+    "twinflow-spec",
+    "twinflow-wf",
+    "twinflow-m24",
+    "twinflow-m24-delay",
+    "twinflow-m24-wf",
+)
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
@@ -69,8 +77,13 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
 
 
 def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, mode: str = "") -> dict:
-    """twinflow.initialize's config; `mode` "delay", "spec" or "wf" for twinflow-delay, -spec and -wf."""
+    """twinflow.initialize's config; `mode` "delay", "spec" or "wf" for twinflow-delay, -spec and -wf, with "m24-"
+    before it (or alone) for int8_m24 state on both sides."""
+    precision, _, mode = mode.rpartition("m24")
+    precision = "int8_m24" if _ else "fp32"
+    mode = mode.lstrip("-")
     return {
+        "offload_state_precision": precision,
         "offload_delay_after": 1 if mode == "delay" else None,
         "offload_speculate": mode == "spec",
         "offload_weights_first": mode == "wf",

@@ -119,13 +119,15 @@ class StepCoordinator:
         return StepArgs.of(self.groups(), [s + 1 for s in self.split.steps])
 
     def mode(self, speculative: bool) -> str:
-        if speculative:
-            return "speculative"
-        if self.split.delaying(self.settings.delay_after):
+        """The coming step's mode (the weights-first policy asked once, where it could apply)."""
+        if not speculative and self.split.delaying(self.settings.delay_after):
             return "delayed"
-        # weights first where the step waits for its multiplier (not eager) and the state is fp32 (the peek)
-        first = self.settings.weights_first and not self.notes.eager and self.settings.state_precision == "fp32"
-        return "weights_first" if first and self.host.chunk_count and self.host.weights_first.choose() else "exact"
+        # weights first where the step waits for its multiplier (not eager): the exact step, or speculation's redo
+        first = (self.settings.weights_first and not self.notes.eager and self.host.chunk_count > 0
+                 and self.host.weights_first.choose())  # fmt: skip
+        if speculative:
+            return "speculative+weights_first" if first else "speculative"
+        return "weights_first" if first else "exact"
 
     def open_step(self, args: StepArgs | None, mode: str) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""

@@ -40,6 +40,7 @@ class HostSide(Protocol):
     state: HostState
     streams: Streams
     delayed: DelayedMode
+    weights_first: WeightsFirstMode
     timeline: list[dict] | None
 
     @property
@@ -110,9 +111,10 @@ class ExactMode:
 
 
 class WeightsFirstMode(ExactMode):
-    """Exact, new weights first (fp32 state, steps that wait for the norm): a chunk's peek writes only its rounded
-    weights, into the second buffer set, and they go up at once; its commit (the same arithmetic: the state in
-    place, bit for bit the single pass) runs behind every chunk of the step. A commit must end before its chunk's
+    """Exact, new weights first (steps that wait for the norm; any state precision): a chunk's peek writes only its
+    rounded weights, into the second buffer set, and they go up at once; its commit (the same arithmetic: the state
+    in place, bit for bit the single pass) runs behind every chunk of the step. Speculation's redo uses it too
+    (:meth:`behind`, out of place). A commit must end before its chunk's
     next gradient lands (:meth:`HostSide.download` waits for it) and before the state is read (``quiesce``)."""
 
     name = "weights_first"
@@ -149,10 +151,11 @@ class WeightsFirstMode(ExactMode):
     def prepare(self, args: StepArgs | None) -> None:
         self.host.staging.make_spare()
 
-    def run(self, k: int) -> None:
+    def run(self, k: int, args: StepArgs | None = None) -> None:
+        """Chunk k's peek, uploaded, and its commit queued behind the step's chunks (`args`: else the step's)."""
         host = self.host
         with host.executor.condition:
-            args = host.record.args
+            args = host.record.args if args is None else args
             self.pending.add(k)  # before the peek: the next step's gradients of chunk k wait for its commit
         try:
             pieces = host.run_chunk(k, args, peek=True)
@@ -161,14 +164,21 @@ class WeightsFirstMode(ExactMode):
             raise
         finally:
             host.mark_done([k])
-        scale = host.record.scale
-        with host.executor.condition:  # the last chunks' gradients land first in the next backward
-            host.executor.submit(Job("commit", k, partial(self.commit, k, pieces, args, scale), lambda: (2, -k)))
+        self.behind(k, pieces, args, host.record.scale)
 
-    def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None:
+    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool = False) -> None:
+        """Queues the commit of chunk k, whose weights are up and which is already in ``pending``: in place, or
+        (`apart`, a speculative redo) from the pieces' current set into the other, which then becomes current."""
+        job = partial(self.commit, k, pieces, args, scale, apart)
+        with self.host.executor.condition:  # the last chunks' gradients land first in the next backward
+            self.host.executor.submit(Job("commit", k, job, lambda: (2, -k)))
+
+    def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool) -> None:
         start = time.perf_counter()
         try:
-            self.host.kernel(None, pieces, self.host.host_views(pieces), args, scale, outs=None)
+            self.host.kernel(None, pieces, self.host.host_views(pieces), args, scale, apart=apart, outs=None)
+            if apart:
+                self.host.state.flip(pieces)
         finally:
             self.committed(k)
         if self.host.timeline is not None:
@@ -198,6 +208,7 @@ class SpeculativeMode(ExactMode):
         self.verdict: StepArgs | None = None
         self.rollbacks = 0  # speculative steps undone and redone (their multiplier was not 1)
         self.speculated_chunks = 0  # chunks stepped before their step's multiplier was known
+        self.first = False  # this step's redo (and chunks stepped after the verdict) go new weights first
 
     def prepare(self, args: StepArgs | None) -> None:
         self.host.staging.make_spare()
@@ -219,6 +230,8 @@ class SpeculativeMode(ExactMode):
         with host.executor.condition:
             verdict = self.verdict
         if verdict is not None:  # known before this chunk started: an exact step with it
+            if self.first:
+                return host.weights_first.run(k, verdict)
             try:
                 host.run_chunk(k, verdict)
             finally:
@@ -254,6 +267,18 @@ class SpeculativeMode(ExactMode):
         self.rollbacks += redo
         for k in held:
             pieces = host.live(k)
+            if redo and self.first:  # the peek from the state the chunk started from; the commit behind it
+                with host.executor.condition:
+                    host.weights_first.pending.add(k)
+                try:
+                    host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,
+                                outs=host.spare_views(pieces), peek=True)  # fmt: skip
+                except BaseException:
+                    host.weights_first.committed(k)
+                    raise
+                host.upload(k, pieces, host.spare_views(pieces))
+                host.weights_first.behind(k, pieces, verdict, scale, apart=True)
+                continue
             if redo:
                 host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,
                             apart=True)  # fmt: skip

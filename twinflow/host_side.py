@@ -91,14 +91,16 @@ class HostSide:
 
     # ---------------------------------------------------------------- a step
     def open(self, args: StepArgs | None, mode: str = "exact") -> None:
-        """Starts a step's downloads in `mode` ("exact", "speculative" or "delayed"); with `args` the worker
-        may step chunks as soon as they are down."""
+        """Starts a step's downloads in `mode` ("exact", "weights_first", "speculative", "speculative+weights_first"
+        (its redo new weights first) or "delayed"); with `args` the worker may step chunks as soon as they are
+        down."""
         self.finish()
-        if mode in ("speculative", "delayed"):  # they read or swap the state's and the gradients' second sets
+        if mode.startswith(("speculative", "delayed")):  # they read or swap the state's and gradients' second sets
             with self.executor.condition:
                 self.weights_first.wait()
-        self.mode = {"exact": self.exact, "speculative": self.speculative, "delayed": self.delayed,
-                     "weights_first": self.weights_first}[mode]  # fmt: skip
+        self.speculative.first = mode == "speculative+weights_first"
+        self.mode = {"exact": self.exact, "weights_first": self.weights_first, "speculative": self.speculative,
+                     "speculative+weights_first": self.speculative, "delayed": self.delayed}[mode]  # fmt: skip
         self.mode.prepare(args)
         with self.executor.condition:
             self.executor.raise_error()

@@ -66,9 +66,10 @@ class TwinFlowAdam(torch.optim.Optimizer):
     parameters): state moves to and from ``torch.optim.AdamW`` and across ratios and placements;
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
-    clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``weights_first=True`` (fp32, exact): a step
-    that waits for the norm computes the new weights first and commits the state behind them. ``state_precision=
-    "int8"`` (opt-in, not exact): both sides' moments in 8 bits; "int8_m24": 24-bit masters too (:mod:`.compact`).
+    clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``weights_first=True`` (exact): a step that
+    waits for the norm (and speculation's redo) computes the new weights first and commits the state behind them.
+    ``state_precision="int8"`` (opt-in, not exact): both sides' moments in 8 bits; "int8_m24": 24-bit masters
+    too (:mod:`.compact`).
     """
 
     def __init__(

@@ -201,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculate=True: with --clip, the CPU steps as gradients land and steps again if the norm clips",
     )
     parser.add_argument(
+        "--weights-first",
+        action="store_true",
+        help="weights_first=True: with --clip, the CPU writes the new weights first and commits its state behind them",
+    )
+    parser.add_argument(
+        "--state-precision",
+        default="fp32",
+        choices=["fp32", "int8", "int8_m24"],
+        help="state_precision of both sides' optimizer state (default: %(default)s)",
+    )
+    parser.add_argument(
         "--budget-gib",
         type=float,
         default=None,
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         model = build_opt(args.model, device, dtype)
         opt = TwinFlowAdam(model.parameters(), lr=1e-5, ratio=ratio, placement=args.placement,
                            max_grad_norm=args.clip, delay_after=args.delay_after, speculate=args.speculate,
+                           weights_first=args.weights_first, state_precision=args.state_precision,
                            memory_budget=budget).attach(model)  # fmt: skip
         result = _train_steps(model, opt, args.batch, args.seq, args.warmup, args.steps, device, progress.step)
         opt.detach()
@@ -267,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     progress.close()
     overlap, eager = decision["overlap"], decision["eager"]
     print(f"\n{args.model}, {args.batch}x{args.seq} tokens, placement {args.placement}, clip {args.clip}, "
-          f"delay_after {args.delay_after}, speculate {args.speculate}")  # fmt: skip
+          f"delay_after {args.delay_after}, speculate {args.speculate}, weights_first {args.weights_first}, "
+          f"state_precision {args.state_precision}")  # fmt: skip
     if device == "cuda":
         print(f"GPU memory budget {_gib(inputs.budget_bytes)} GiB (what 'auto' plans within, after its margin)")
         print(f"inputs: forward {inputs.forward_s * 1e3:.0f} ms, backward {inputs.backward_s * 1e3:.0f} ms, "
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'ratio':>8} {'predicted s':>12} {'measured s':>11} {'pred. GiB':>10} {'peak GiB':>9}")
     for row in rows:
         row["predicted_s"] = predict_time(inputs, row["ratio"], args.placement, overlap, eager, decision["delayed"],
-                                          decision["speculative"])  # fmt: skip
+                                          decision["speculative"], decision.get("weights_first", False))  # fmt: skip
         row["predicted_peak_bytes"] = predict_peak(inputs, row["ratio"]) if device == "cuda" else float("nan")
         tag = "  <- auto" if row["auto"] else ""
         print(f"{row['ratio']:8.2f} {row['predicted_s']:12.3f} {row['step_s']:11.3f} "
