@@ -67,9 +67,8 @@ class TwinFlowAdam(torch.optim.Optimizer):
     ``synchronize()`` and ``save_checkpoint`` apply a pending delayed update. ``speculate=True`` (attached,
     clipping): the CPU steps as gradients land, out of place, and again from the untouched state when the norm
     clips: bit for bit the exact step (:mod:`twinflow.speculation`). ``weights_first=True`` (exact): a step that
-    waits for the norm (and speculation's redo) computes the new weights first and commits the state behind them.
-    ``state_precision="int8"`` (opt-in, not exact): both sides' moments in 8 bits; "int8_m24": 24-bit masters
-    too (:mod:`.compact`).
+    waits for the norm (or a speculative redo) writes the new weights first and commits the state behind them.
+    ``state_precision="int8"`` (not exact): 8-bit moments on both sides; "int8_m24": 24-bit masters too.
     """
 
     def __init__(
