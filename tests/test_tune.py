@@ -562,7 +562,9 @@ def test_explain_names_what_bound_the_choice_in_words_and_gib(kw: dict, binding:
 
 
 def test_weights_first_is_predicted_where_the_cpu_has_room_and_never_slower() -> None:
-    from twinflow.tune import COMMIT, PEEK
+    from dataclasses import replace
+
+    from twinflow.tune import PEEK_COMMIT
 
     def both(x: Inputs, r: float, **kw) -> tuple[float, float]:
         return predict_time(x, r, "first", True, False, **kw), predict_time(x, r, "first", True, False,
@@ -570,11 +572,13 @@ def test_weights_first_is_predicted_where_the_cpu_has_room_and_never_slower() ->
 
     short, long = inputs(), inputs(forward_s=2.0, backward_s=4.0)
     for x in (short, long):
-        for r in GRID:
-            single, first = both(x, r)
-            assert first <= single  # where the commits cannot keep up, the single pass runs
-            cpu = r * x.elements / x.cpu_elements_per_s
-            assert first == single or first >= (PEEK + COMMIT) * cpu  # the CPU's whole work fits in the step
+        for precision, (peek, commit) in PEEK_COMMIT.items():  # each precision's own constants
+            x = replace(x, state_precision=precision)
+            for r in GRID:
+                single, first = both(x, r)
+                assert first <= single  # where the commits cannot keep up, the single pass runs
+                cpu = r * x.elements / x.cpu_elements_per_s
+                assert first == single or first >= (peek + commit) * cpu  # the CPU's whole work fits in the step
     single, first = both(short, 1.0)
     assert first == single  # the whole model on a CPU that already bounds the step: nothing to gain
     single, first = both(long, 0.5)

@@ -27,10 +27,11 @@ F and B: forward and backward time):
   speculating under clipping (``speculate``, attached): the eager window,
   which holds while steps do not clip (once they keep clipping, speculation
   turns itself off and the clipping window applies).
-  With ``weights_first`` (fp32, not eager, delayed or speculative): the CPU's
-  work after the norm is the peek (PEEK x C), and the whole CPU work (PEEK +
-  COMMIT) x C must fit in the step: max(that step, (PEEK + COMMIT) C), or the
-  single pass's time where it is faster (the runtime falls back to it).
+  With ``weights_first`` (not eager, delayed or speculative): the CPU's work
+  after the norm is the peek (P x C), and the whole CPU work, peek and
+  commit (P + M) x C, must fit in the step (P and M per state precision:
+  PEEK_COMMIT): max(that step, (P + M) C), or the single pass's time where it
+  is faster (the runtime falls back to it).
   k = 0.25 is the part of the CPU's work that shows on the critical path even
   when it fits the window (the worker's threads and copies slow the thread
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
@@ -95,8 +96,9 @@ log = logging.getLogger(__name__)
 
 _TIE = 0.02  # predicted times within 2% of the best count as equal
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
-# weights first: the peek's and the commit's time against the single pass's (benchmarks/bench_peek.py, H100 host)
-PEEK, COMMIT = 0.71, 0.90
+# weights first: the peek's and the commit's time against the single pass's, per state precision
+# (benchmarks/bench_peek.py --precision P on an H100 host; BENCHMARKS.md)
+PEEK_COMMIT = {"fp32": (0.68, 0.88), "int8": (0.57, 0.88), "int8_m24": (0.70, 0.88)}
 
 
 @dataclass
@@ -187,7 +189,8 @@ def predict_time(
         return single
     # weights first: the peek on the critical path, the commit behind it, and the CPU's whole work within a step;
     # where that is slower, the commits stall and the single pass runs (its fallback)
-    return min(single, max(with_cpu(PEEK * cpu), (PEEK + COMMIT) * cpu))
+    peek, commit = PEEK_COMMIT[inputs.state_precision]
+    return min(single, max(with_cpu(peek * cpu), (peek + commit) * cpu))
 
 
 def choose_ratio(
@@ -466,6 +469,6 @@ class IterationProbe:
             elements_by_dtype={str(d).removeprefix("torch."): n for d, n in by_dtype.items()},
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative,
-                                weights_first=weights_first and state_precision == "fp32")  # fmt: skip
+                                weights_first=weights_first)  # fmt: skip
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
         return decision
