@@ -177,7 +177,15 @@ def merge(parts: list[dict]) -> dict:
     if "released_grad_gib" in first:  # per rank, in rank order
         row["released_grad_gib_per_rank"] = [r["released_grad_gib"] for r in sorted(parts, key=lambda r: r["rank"])]
         row["attached"] = first["attached"]
-        for key in ("rollbacks", "steps_not_speculated", "cpu_chunks_s_per_step", "cpu_commits_s_per_step"):  # rank 0's
+        for key in (
+            "rollbacks",
+            "steps_not_speculated",
+            "cpu_chunks_s_per_step",
+            "cpu_commits_s_per_step",
+            "chunks_per_step",
+            "weights_first_chunks_per_step",
+            "weights_first_late_steps",
+        ):  # rank 0's
             row[key] = first.get(key)
     row["status"] = "ok"
     return row

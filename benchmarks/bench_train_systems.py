@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import torch
 
-SYSTEMS = ("amp", "bf16", "twinflow", "twinflow-delay", "twinflow-spec", "twinflow-wf", "ds-z3", "ds-z2", "ds-zenflow",
-           "ds-super", "torchao")  # fmt: skip
 DEEPSPEED = ("ds-z3", "ds-z2", "ds-zenflow", "ds-super")
 ZERO_STAGE_2 = ("ds-z2", "ds-zenflow")
-TWINFLOW = (
-    "twinflow",
-    "twinflow-delay",
-    "twinflow-spec",
-    "twinflow-wf",
-    "twinflow-m24",
-    "twinflow-m24-delay",
-    "twinflow-m24-wf",
-)
+TWINFLOW = ("twinflow", "twinflow-delay", "twinflow-spec", "twinflow-wf", "twinflow-m24", "twinflow-m24-delay",
+            "twinflow-m24-wf")  # fmt: skip
+SYSTEMS = ("amp", "bf16", *TWINFLOW, *DEEPSPEED, "torchao")
 SINGLE_GPU_ONLY = ("amp", "bf16", "torchao")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 # The DeepSpeed settings of the reference figures quoted in BENCHMARKS.md.
@@ -106,7 +98,10 @@ def cpu_seconds(host) -> dict:
     chunk = [e["end"] - e["start"] for e in events if "chunk" in e]
     steps = max(1, len(chunk) // max(1, host.chunk_count))
     commits = sum(e["end"] - e["start"] for e in events if "commit" in e)
-    return {"cpu_chunks_s_per_step": sum(chunk) / steps, "cpu_commits_s_per_step": commits / steps}
+    peeks = sum(bool(e.get("peek")) for e in events if "chunk" in e)
+    return {"cpu_chunks_s_per_step": sum(chunk) / steps, "cpu_commits_s_per_step": commits / steps,
+            "chunks_per_step": host.chunk_count, "weights_first_chunks_per_step": peeks / steps,
+            "weights_first_late_steps": host.weights_first.late_steps if host.chunk_count else 0}  # fmt: skip
 
 
 def build(name: str, ratio: float | None, args, device: str, world: int):

@@ -1,17 +1,20 @@
 """weights_first=True: a step that waits for the norm writes the CPU share's new weights first (the kernel's
 peek) and commits the state behind them; training is bit for bit the single pass's.
 
-The commits are held back (the worker's gate) until something waits for them: a read of the state, or the
-next step's gradient for the same chunk. A wait left out lets a read see the state before the step, or the next
-gradients overwrite the ones a commit still needs, and the run ends away from the reference.
+The commits are held back (the worker's gate) until something waits for them (a read of the state) or the
+chunk's next kernel runs them itself. A wait left out lets a read or a kernel see the state before the step;
+gradients landing in the set a held commit still reads would change what it commits; either way the run ends
+away from the reference.
 """
+
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from twinflow import TwinFlowAdam
-from twinflow.host_modes import WeightsFirstMode
+from twinflow.weights_first import WeightsFirstMode
 
 
 def make(dtype: torch.dtype) -> torch.nn.Module:
@@ -34,7 +37,7 @@ def hold_commits(host: object) -> list[bool]:
     wait = WeightsFirstMode.wait
 
     def waiting(self: WeightsFirstMode, chunks: set[int] | None = None) -> None:
-        if self.pending & (self.pending if chunks is None else chunks):
+        if self.pending.keys() & (self.pending.keys() if chunks is None else chunks):
             asked.append(True)
             self.host.executor.condition.notify_all()
         wait(self, chunks)
@@ -81,8 +84,25 @@ def run(
         opt.zero_grad()
         asked.clear()  # each step's commits held again
     opt.synchronize()
-    commits = sum("commit" in e for e in host.timeline)
-    return bits(model, opt), commits, host.chunk_count, host.weights_first.fallbacks
+    return Run(
+        bits(model, opt),
+        sum("commit" in e for e in host.timeline),
+        sum(bool(e.get("peek")) for e in host.timeline),
+        host.chunk_count,
+        host.weights_first.late_steps,
+    )
+
+
+class Run(NamedTuple):
+    bits: list[torch.Tensor]
+    commits: int  # commits that ran
+    peeks: int  # chunks stepped weights first
+    chunks: int  # chunks per step
+    late_steps: int  # steps whose chunks had to run their last commits themselves
+
+
+def same(a: Run, b: Run) -> bool:
+    return all(x.equal(y) for x, y in zip(a.bits, b.bits, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -90,12 +110,13 @@ def run(
 @pytest.mark.parametrize("attached", [False, True])
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
 def test_weights_first_is_the_single_pass_bit_for_bit(dtype, ratio: float, attached: bool, clip: float) -> None:
-    want, none, _, _ = run(False, attached, clip, ratio, dtype)
-    got, commits, chunks, fallbacks = run(True, attached, clip, ratio, dtype, held=True)
-    # steps 1 and 2 go weights first, every chunk committed behind its weights; step 2's gradients wait for step
-    # 1's held commits, so steps 3 and 4 run the single pass (and step 3's gradients wait for step 2's commits)
-    assert none == 0 and commits == 2 * chunks > 0 and fallbacks == 2
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+    want = run(False, attached, clip, ratio, dtype)
+    got = run(True, attached, clip, ratio, dtype, held=True)
+    # Step 1 peeks every chunk; its commits are held, so step 2's kernels run them (late), and from step 3 on
+    # fewer chunks go weights first, the rest the single pass. Every peek is committed by the end.
+    assert want.commits == want.peeks == 0
+    assert got.commits == got.peeks and 2 * got.chunks <= got.peeks < 4 * got.chunks and got.late_steps >= 1
+    assert same(want, got)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8_m24"])
@@ -106,11 +127,41 @@ def test_compact_weights_first_is_the_single_pass_bit_for_bit(precision: str, ra
                                                                clip: float) -> None:  # fmt: skip
     """8-bit moments (and 24-bit masters): the peek rounds the weights as the single pass does, the commit
     encodes the moments with the same noise."""
-    want, none, _, _ = run(False, attached, clip, ratio, torch.bfloat16, state_precision=precision)
-    got, commits, chunks, fallbacks = run(True, attached, clip, ratio, torch.bfloat16, held=True,
-                                          state_precision=precision)  # fmt: skip
-    assert none == 0 and commits == 2 * chunks > 0 and fallbacks == 2
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+    want = run(False, attached, clip, ratio, torch.bfloat16, state_precision=precision)
+    got = run(True, attached, clip, ratio, torch.bfloat16, held=True, state_precision=precision)
+    assert got.commits == got.peeks >= 2 * got.chunks > 0
+    assert same(want, got)
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_the_next_gradients_do_not_wait_for_the_commits(attached: bool) -> None:
+    """A step's commits held: the next step's gradients land in the other buffer set without waiting (the
+    main thread never waits for a commit), and that step's kernels run the held commits first."""
+    model = make(torch.float32)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, max_grad_norm=1e-3, chunk_bytes=2048,
+                       weights_first=True)  # fmt: skip
+    ref_model = make(torch.float32)
+    ref = TwinFlowAdam(ref_model.parameters(), lr=1e-2, ratio=0.5, max_grad_norm=1e-3, chunk_bytes=2048)
+    if attached:
+        opt.attach(model)
+        ref.attach(ref_model)
+    host = opt.coordinator.host
+    asked = hold_commits(host)
+    gen = torch.Generator().manual_seed(3)
+    for k in range(3):
+        x = torch.randn(8, 24, generator=gen)
+        for m, o in ((model, opt), (ref_model, ref)):
+            F.mse_loss(m(x), x[:, :6]).backward()
+            if o is opt and k > 0 and attached:  # downloads queued during backward, the commits still held
+                assert not asked and host.weights_first.pending
+            o.step()
+            o.zero_grad()
+        assert not asked  # step() did not wait for a commit either: the kernels ran them
+        asked.clear()
+    opt.synchronize()
+    ref.synchronize()
+    assert host.weights_first.late_steps >= 1
+    assert all(a.equal(b) for a, b in zip(bits(model, opt), bits(ref_model, ref), strict=True))
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
@@ -119,21 +170,16 @@ def test_speculation_redoes_new_weights_first_bit_for_bit(clip: float, dtype: to
     """Attached speculation: a step that clips is redone with the peek (from the state the chunk started from)
     and committed out of place behind it; one that does not clip keeps its speculative chunks (no commit)."""
     options = dict(speculate=True, steps=6)
-    want, _, _, _ = run(False, True, clip, 0.5, dtype, **options)
-    exact, _, _, _ = run(False, True, clip, 0.5, dtype, steps=6)
+    want = run(False, True, clip, 0.5, dtype, **options)
+    exact = run(False, True, clip, 0.5, dtype, steps=6)
     timeline: list[dict] = []
-    got, _, _, _ = run(True, True, clip, 0.5, dtype, held=True, timeline=timeline, **options)
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
-    assert all(a.equal(b) for a, b in zip(exact, got, strict=True))
+    got = run(True, True, clip, 0.5, dtype, held=True, timeline=timeline, **options)
+    assert same(want, got) and same(exact, got)
     verdicts = [e for e in timeline if "verdict" in e and e["verdict"]]
     assert verdicts and all(e["redo"] == (clip < 1) for e in verdicts)
-    # each chunk a verdict redid is committed (after that verdict); kept ones are not
-    for n, e in enumerate(timeline):
+    for n, e in enumerate(timeline):  # each chunk a verdict redid is committed after it
         if "verdict" in e and e["redo"]:
-            later = {c["commit"] for c in timeline[n + 1 :] if "commit" in c}
-            assert set(e["verdict"]) <= later
-    if clip > 1:  # chunks stepped after the verdict go weights first too, so only the redo is checked above
-        assert not any(e.get("redo") for e in timeline)
+            assert set(e["verdict"]) <= {c["commit"] for c in timeline[n + 1 :] if "commit" in c}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
@@ -141,18 +187,17 @@ def test_delayed_steps_are_unchanged_by_weights_first(precision: str) -> None:
     """delay_after=2: two exact steps (weights first), then delayed ones (the single pass, off the critical
     path), bit for bit as without weights first; the delayed step opens only once the commits have ended."""
     options = dict(delay_after=2, state_precision=precision, steps=5)
-    want, _, _, _ = run(False, True, 1e-3, 0.5, torch.bfloat16, **options)
-    got, commits, chunks, _ = run(True, True, 1e-3, 0.5, torch.bfloat16, held=True, **options)
-    assert commits == 2 * chunks > 0
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+    want = run(False, True, 1e-3, 0.5, torch.bfloat16, **options)
+    got = run(True, True, 1e-3, 0.5, torch.bfloat16, held=True, **options)
+    assert got.commits == got.peeks >= got.chunks > 0
+    assert same(want, got)
 
 
 def test_weights_first_stands_aside_where_it_cannot_help() -> None:
     """Eager steps (attached without clipping) step the CPU share during backward: the single pass."""
-    _, commits, _, _ = run(True, True, None, 0.5, torch.bfloat16)
-    assert commits == 0
-    _, commits, chunks, _ = run(True, True, None, 0.5, torch.bfloat16, state_precision="int8")
-    assert commits == 0 and chunks > 0
+    assert run(True, True, None, 0.5, torch.bfloat16).peeks == 0
+    got = run(True, True, None, 0.5, torch.bfloat16, state_precision="int8")
+    assert got.peeks == 0 and got.chunks > 0
     model = make(torch.bfloat16)
     opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, weights_first=False)
     assert opt.coordinator.mode(False) == "exact"
@@ -174,37 +219,42 @@ def test_the_config_key_reaches_the_optimizer() -> None:
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
 def test_weights_first_on_the_gpu_is_the_single_pass_bit_for_bit(attached: bool, clip: float, precision: str) -> None:
-    """The GPU's streams: weights go up from the second buffer set, gradients come down into the first."""
-    want, _, _, _ = run(False, attached, clip, 0.5, torch.bfloat16, device="cuda", state_precision=precision)
-    got, commits, chunks, fallbacks = run(True, attached, clip, 0.5, torch.bfloat16, held=True, device="cuda",
-                                          state_precision=precision)  # fmt: skip
-    assert commits == 2 * chunks > 0 and fallbacks == 2
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+    """The GPU's streams: weights go up from one buffer set while the next gradients come down into it."""
+    want = run(False, attached, clip, 0.5, torch.bfloat16, device="cuda", state_precision=precision)
+    got = run(True, attached, clip, 0.5, torch.bfloat16, held=True, device="cuda", state_precision=precision)
+    assert got.commits == got.peeks >= 2 * got.chunks > 0
+    assert same(want, got)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("clip", [1e-3, 1e9], ids=["clipped", "unclipped"])
 def test_speculation_on_the_gpu_redoes_new_weights_first_bit_for_bit(clip: float) -> None:
-    want, _, _, _ = run(False, True, clip, 0.5, torch.bfloat16, device="cuda", speculate=True, steps=6)
+    want = run(False, True, clip, 0.5, torch.bfloat16, device="cuda", speculate=True, steps=6)
     timeline: list[dict] = []
-    got, _, _, _ = run(True, True, clip, 0.5, torch.bfloat16, held=True, device="cuda", speculate=True, steps=6,
-                       timeline=timeline)  # fmt: skip
+    got = run(True, True, clip, 0.5, torch.bfloat16, held=True, device="cuda", speculate=True, steps=6,
+              timeline=timeline)  # fmt: skip
     assert any(e.get("verdict") and e["redo"] == (clip < 1) for e in timeline)
-    assert all(a.equal(b) for a, b in zip(want, got, strict=True))
+    assert same(want, got)
 
 
-def test_after_a_stall_the_single_pass_runs_for_a_while_then_weights_first_again() -> None:
-    """A gradient that waits for a commit means the commits do not keep up: the next RETRY steps run the single
-    pass, then weights first is tried again."""
+def test_fewer_chunks_go_weights_first_after_late_commits_and_more_after_timely_ones() -> None:
+    """A step whose kernels had to run their last commits: an eighth of the chunks (at least one) fewer go
+    weights first; a step without: one more, up to all. At none the step is exact, and the next tries one."""
     model = make(torch.float32)
-    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, weights_first=True)
-    policy = opt.coordinator.host.weights_first
-    assert opt.coordinator.mode(False) == "weights_first"
-    policy.stalled = True
-    modes = [opt.coordinator.mode(False) for _ in range(WeightsFirstMode.RETRY + 1)]
-    assert (
-        modes == ["exact"] * WeightsFirstMode.RETRY + ["weights_first"] and policy.fallbacks == WeightsFirstMode.RETRY
-    )
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, chunk_bytes=2048, weights_first=True)
+    policy, chunks = opt.coordinator.host.weights_first, opt.coordinator.host.chunk_count
+    assert chunks >= 8 and opt.coordinator.mode(False) == "weights_first" and policy.first_chunks == chunks
+    counts = []
+    while True:
+        policy.late = True
+        mode = opt.coordinator.mode(False)
+        counts.append(policy.first_chunks)
+        if mode == "exact":
+            break
+    step = max(1, chunks // 8)
+    assert counts == [max(0, chunks - step * (n + 1)) for n in range(len(counts))] and counts[-1] == 0
+    assert policy.late_steps == len(counts)
+    assert [opt.coordinator.mode(False) for _ in range(2)] == ["weights_first"] * 2 and policy.first_chunks == 2
 
 
 @pytest.mark.parametrize("attached", [False, True])
@@ -237,3 +287,45 @@ def test_weights_written_from_outside_win_over_a_commit_still_pending(attached: 
         return bits(model, opt)
 
     assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))
+
+
+class Branchy(torch.nn.Module):
+    """A body and a branch that some steps skip: the branch's parameters (the last ones, whole chunks of the CPU
+    share) then have no gradient, and their chunks do not step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(24, 96), torch.nn.GELU(), torch.nn.Linear(96, 6))
+        self.branch = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.GELU(), torch.nn.Linear(64, 6))
+        self.use_branch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.branch(x) if self.use_branch else self.body(x)
+
+
+def test_a_commit_left_by_a_step_without_that_chunk_ends_before_its_set_takes_gradients() -> None:
+    """Step 1 peeks the branch's chunks (commits held); step 2 skips the branch, so nothing runs those commits;
+    step 3's gradients land in the set they still read unless the step's open waits for them."""
+
+    def go(first: bool) -> tuple[list[torch.Tensor], int]:
+        model = Branchy()
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.6, placement="last", max_grad_norm=1e-3,
+                           chunk_bytes=2048, weights_first=first).attach(model)  # fmt: skip
+        host = opt.coordinator.host
+        asked = hold_commits(host)
+        gen = torch.Generator().manual_seed(4)
+        for k in range(4):
+            model.use_branch = k != 1
+            x = torch.randn(8, 24, generator=gen)
+            F.mse_loss(model(x), x[:, :6]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            asked.clear()
+        opt.synchronize()
+        return bits(model, opt), host.weights_first.late_steps
+
+    want, _ = go(False)
+    got, late = go(True)
+    assert late >= 1
+    assert all(a.equal(b) for a, b in zip(want, got, strict=True))

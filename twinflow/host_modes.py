@@ -31,6 +31,14 @@ from twinflow.transfer import NoEvent, Streams
 log = logging.getLogger(__name__)
 
 
+class CommitsBehind(Protocol):
+    """What speculation uses of :class:`twinflow.weights_first.WeightsFirstMode`."""
+
+    def run(self, k: int, args: StepArgs | None = None) -> None: ...
+
+    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool = False) -> None: ...
+
+
 class HostSide(Protocol):
     """What a mode uses of the CPU side (:class:`twinflow.host_side.HostSide`)."""
 
@@ -40,7 +48,7 @@ class HostSide(Protocol):
     state: HostState
     streams: Streams
     delayed: DelayedMode
-    weights_first: WeightsFirstMode
+    weights_first: CommitsBehind
     timeline: list[dict] | None
 
     @property
@@ -108,92 +116,6 @@ class ExactMode:
                 "zero_grad() after the CPU share already stepped in backward (eager overlap): that update "
                 "cannot be undone. Call step() after backward, or attach with eager=False"
             )
-
-
-class WeightsFirstMode(ExactMode):
-    """Exact, new weights first (steps that wait for the norm; any state precision): a chunk's peek writes only its
-    rounded weights, into the second buffer set, and they go up at once; its commit (the same arithmetic: the state
-    in place, bit for bit the single pass) runs behind every chunk of the step. Speculation's redo uses it too
-    (:meth:`behind`, out of place). A commit must end before its chunk's
-    next gradient lands (:meth:`HostSide.download` waits for it) and before the state is read (``quiesce``)."""
-
-    name = "weights_first"
-    RETRY = 10  # steps of the single pass after one whose gradients had to wait for its commits
-
-    def __init__(self, host: HostSide) -> None:
-        super().__init__(host)
-        self.pending: set[int] = set()  # chunks whose commit has not ended (under the executor's condition)
-        self.stalled = False  # a gradient of this step waited for a commit: the commits do not keep up
-        self.skip = 0  # steps left to run the single pass
-        self.fallbacks = 0  # steps that ran the single pass for it
-
-    def choose(self) -> bool:
-        """Whether the coming step may go weights first (asked once per step): not for :data:`RETRY` steps after
-        one whose gradients waited for commits. There the CPU's work per step (the peek and the commit, about 1.6
-        times the single pass's bytes) outgrows the iteration, and the single pass is faster."""
-        if self.stalled:
-            self.stalled, self.skip = False, self.RETRY
-            log.info("weights_first: a gradient waited for the last step's commit (the CPU's work outgrows the "
-                     "iteration); the next %d steps run the single pass", self.RETRY)  # fmt: skip
-        if self.skip:
-            self.skip -= 1
-            self.fallbacks += 1
-            return False
-        return True
-
-    def before_download(self, chunks: set[int]) -> None:
-        """Until the last commits of `chunks` have ended, their gradients' buffers still being read (caller holds
-        the executor's condition); a wait marks the step stalled."""
-        if self.pending & chunks:
-            self.stalled = True
-            self.wait(chunks)
-
-    def prepare(self, args: StepArgs | None) -> None:
-        self.host.staging.make_spare()
-
-    def run(self, k: int, args: StepArgs | None = None) -> None:
-        """Chunk k's peek, uploaded, and its commit queued behind the step's chunks (`args`: else the step's)."""
-        host = self.host
-        with host.executor.condition:
-            args = host.record.args if args is None else args
-            self.pending.add(k)  # before the peek: the next step's gradients of chunk k wait for its commit
-        try:
-            pieces = host.run_chunk(k, args, peek=True)
-        except BaseException:
-            self.committed(k)
-            raise
-        finally:
-            host.mark_done([k])
-        self.behind(k, pieces, args, host.record.scale)
-
-    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool = False) -> None:
-        """Queues the commit of chunk k, whose weights are up and which is already in ``pending``: in place, or
-        (`apart`, a speculative redo) from the pieces' current set into the other, which then becomes current."""
-        job = partial(self.commit, k, pieces, args, scale, apart)
-        with self.host.executor.condition:  # the last chunks' gradients land first in the next backward
-            self.host.executor.submit(Job("commit", k, job, lambda: (2, -k)))
-
-    def commit(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool) -> None:
-        start = time.perf_counter()
-        try:
-            self.host.kernel(None, pieces, self.host.host_views(pieces), args, scale, apart=apart, outs=None)
-            if apart:
-                self.host.state.flip(pieces)
-        finally:
-            self.committed(k)
-        if self.host.timeline is not None:
-            self.host.timeline.append({"commit": k, "start": start, "end": time.perf_counter()})
-
-    def committed(self, k: int) -> None:
-        with self.host.executor.condition:
-            self.pending.discard(k)
-            self.host.executor.condition.notify_all()
-
-    def wait(self, chunks: set[int] | None = None) -> None:
-        """Until the commits of `chunks` (else all) have ended (caller holds the executor's condition); with none
-        pending, at once (another job's error is raised where the step's own waits are)."""
-        if self.pending if chunks is None else self.pending & chunks:
-            self.host.executor.wait_until(lambda: not (self.pending if chunks is None else self.pending & chunks))
 
 
 class SpeculativeMode(ExactMode):
@@ -268,14 +190,8 @@ class SpeculativeMode(ExactMode):
         for k in held:
             pieces = host.live(k)
             if redo and self.first:  # the peek from the state the chunk started from; the commit behind it
-                with host.executor.condition:
-                    host.weights_first.pending.add(k)
-                try:
-                    host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,
-                                outs=host.spare_views(pieces), peek=True)  # fmt: skip
-                except BaseException:
-                    host.weights_first.committed(k)
-                    raise
+                host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,
+                            outs=host.spare_views(pieces), peek=True)  # fmt: skip
                 host.upload(k, pieces, host.spare_views(pieces))
                 host.weights_first.behind(k, pieces, verdict, scale, apart=True)
                 continue

@@ -28,11 +28,12 @@ import torch
 
 from twinflow import ops
 from twinflow.executor import CpuExecutor
-from twinflow.host_modes import DelayedMode, ExactMode, SpeculativeMode, WeightsFirstMode
+from twinflow.host_modes import DelayedMode, ExactMode, SpeculativeMode
 from twinflow.host_state import HostState
 from twinflow.staging import Piece, Staging
 from twinflow.step_record import Phase, StepArgs, StepRecord
 from twinflow.transfer import NoEvent, Streams
+from twinflow.weights_first import WeightsFirstMode
 
 
 class HostSide:
@@ -98,6 +99,7 @@ class HostSide:
         if mode.startswith(("speculative", "delayed")):  # they read or swap the state's and gradients' second sets
             with self.executor.condition:
                 self.weights_first.wait()
+        self.weights_first.open_step()  # may move this step's gradients to the other buffer set
         self.speculative.first = mode == "speculative+weights_first"
         self.mode = {"exact": self.exact, "weights_first": self.weights_first, "speculative": self.speculative,
                      "speculative+weights_first": self.speculative, "delayed": self.delayed}[mode]  # fmt: skip
@@ -118,9 +120,6 @@ class HostSide:
                 "used both inside and outside a reentrant activation checkpoint (use_reentrant=True) is also "
                 "accumulated twice: use use_reentrant=False"
             )
-        if self.weights_first.pending:  # the last step's commit of these chunks may still read their gradients
-            with self.executor.condition:
-                self.weights_first.before_download(set(self.staging.chunks_of[i]))
         self.staging.download(i, grad)
         with self.executor.condition:
             for k in self.record.landed(i, self.staging.chunks_of[i]):
@@ -304,6 +303,7 @@ class HostSide:
         """Steps chunk k once its gradients are down and uploads it; returns its pieces. `speculative`: with
         multiplier 1, out of place, the weights left in the spare buffer for the verdict. `peek`: the weights
         only, into the spare buffer (once its last upload has ended), the state left as it was."""
+        self.weights_first.commit_first(k)  # the state this kernel reads
         with self.executor.condition:
             pieces = self.live(k)
         grads = self.host_views(pieces)

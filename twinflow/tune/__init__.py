@@ -27,11 +27,13 @@ F and B: forward and backward time):
   speculating under clipping (``speculate``, attached): the eager window,
   which holds while steps do not clip (once they keep clipping, speculation
   turns itself off and the clipping window applies).
-  With ``weights_first`` (not eager, delayed or speculative): the CPU's work
-  after the norm is the peek (P x C), and the whole CPU work, peek and
-  commit (P + M) x C, must fit in the step (P and M per state precision:
-  PEEK_COMMIT): max(that step, (P + M) C), or the single pass's time where it
-  is faster (the runtime falls back to it).
+  With ``weights_first`` (not eager, delayed or speculative), a share f of
+  the CPU's chunks (those the next forward needs first) peeks and commits,
+  the rest take the single pass: the CPU's work after the norm is
+  (1 - (1 - P) f) C, and its whole work per step, (1 + (P + M - 1) f) C,
+  must fit in the step (P and M, the peek's and the commit's time against
+  the single pass, per state precision: PEEK_COMMIT). The best f of a grid,
+  or the single pass where none is faster (the runtime adapts f).
   k = 0.25 is the part of the CPU's work that shows on the critical path even
   when it fits the window (the worker's threads and copies slow the thread
   that drives the GPU; on an H100 host, ratio 0.2 measured 0.251 s per step
@@ -99,6 +101,7 @@ _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step
 # weights first: the peek's and the commit's time against the single pass's, per state precision
 # (benchmarks/bench_peek.py --precision P on an H100 host; BENCHMARKS.md)
 PEEK_COMMIT = {"fp32": (0.68, 0.88), "int8": (0.57, 0.88), "int8_m24": (0.70, 0.88)}
+_FRACTIONS = [k / 16 for k in range(1, 17)]  # shares of the CPU's chunks that may go weights first
 
 
 @dataclass
@@ -187,10 +190,12 @@ def predict_time(
     single = with_cpu(cpu)
     if not weights_first or delayed or eager or speculative:
         return single
-    # weights first: the peek on the critical path, the commit behind it, and the CPU's whole work within a step;
-    # where that is slower, the commits stall and the single pass runs (its fallback)
+    # weights first for a fraction f of the CPU share (the chunks the next forward needs first; the runtime adapts
+    # it): the critical path after the norm shrinks by (1 - P) f C, the CPU's work per step grows by (P + M - 1) f C
+    # and must fit in the step
     peek, commit = PEEK_COMMIT[inputs.state_precision]
-    return min(single, max(with_cpu(peek * cpu), (peek + commit) * cpu))
+    return min(single, *(max(with_cpu((1 - (1 - peek) * f) * cpu), (1 + (peek + commit - 1) * f) * cpu)
+                         for f in _FRACTIONS))  # fmt: skip
 
 
 def choose_ratio(
