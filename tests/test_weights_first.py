@@ -237,24 +237,25 @@ def test_speculation_on_the_gpu_redoes_new_weights_first_bit_for_bit(clip: float
     assert same(want, got)
 
 
-def test_fewer_chunks_go_weights_first_after_late_commits_and_more_after_timely_ones() -> None:
-    """A step whose kernels had to run their last commits: an eighth of the chunks (at least one) fewer go
-    weights first; a step without: one more, up to all. At none the step is exact, and the next tries one."""
+def test_the_weights_first_share_follows_the_measured_commits() -> None:
+    """The policy on given measurements: commits a kernel had to run itself take that many chunks and one more
+    off the share; idle time after the commits adds half the commits it would hold (at most an eighth of the
+    chunks); no measurement adds one. At none the step is exact."""
     model = make(torch.float32)
-    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, chunk_bytes=2048, weights_first=True)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5, max_grad_norm=1.0, chunk_bytes=1024, weights_first=True)
     policy, chunks = opt.coordinator.host.weights_first, opt.coordinator.host.chunk_count
-    assert chunks >= 8 and opt.coordinator.mode(False) == "weights_first" and policy.first_chunks == chunks
-    counts = []
-    while True:
-        policy.late = True
-        mode = opt.coordinator.mode(False)
-        counts.append(policy.first_chunks)
-        if mode == "exact":
-            break
-    step = max(1, chunks // 8)
-    assert counts == [max(0, chunks - step * (n + 1)) for n in range(len(counts))] and counts[-1] == 0
-    assert policy.late_steps == len(counts)
-    assert [opt.coordinator.mode(False) for _ in range(2)] == ["weights_first"] * 2 and policy.first_chunks == 2
+    assert chunks >= 16 and opt.coordinator.mode(False) == "weights_first" and policy.first_chunks == chunks
+
+    def after(inline: int = 0, slack: float | None = None, cost: float | None = None) -> tuple[str, int]:
+        policy.inline, policy.slack, policy.commit_s = inline, slack, cost
+        return opt.coordinator.mode(False), policy.first_chunks
+
+    assert after(inline=3) == ("weights_first", chunks - 4) and policy.late_steps == 1
+    assert after(slack=0.010, cost=0.002) == ("weights_first", chunks - 2)  # half of 5 commits' time: 2
+    assert after(slack=0.001, cost=0.002) == ("weights_first", chunks - 2)  # no room for one more
+    assert after(slack=10.0, cost=0.002) == ("weights_first", chunks)  # at most an eighth more, up to all
+    assert after(inline=chunks) == ("exact", 0) and policy.late_steps == 2
+    assert after() == ("weights_first", 1)  # nothing measured: one more
 
 
 @pytest.mark.parametrize("attached", [False, True])

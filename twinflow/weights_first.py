@@ -17,8 +17,10 @@ the other set (the one the weights went up from): no download waits for a commit
 The peek moves fewer bytes than the single pass (16 against 28 a parameter in fp32), so the critical path after
 the norm is shorter; but peek and commit together are about 1.6 times the single pass's work, and all of it must
 fit in one iteration. So only the chunks the next forward needs first go weights first (:attr:`first_chunks`),
-the rest take the single pass. The count adapts: fewer after a step in which a chunk had to run its last commit
-itself (the commits did not keep up), one more after a step in which none did.
+the rest take the single pass. The count adapts to what was measured (:meth:`choose`): after a step whose
+commits did not keep up, it drops by the commits that chunks had to run themselves, and one more; after a step
+whose did, it grows by half the commits the worker's idle time before the next step's kernels would have held.
+The first step goes weights first in full.
 """
 
 from __future__ import annotations
@@ -45,22 +47,33 @@ class WeightsFirstMode(ExactMode):
         self.todo: dict[int, Callable[[], None]] = {}  # chunk -> its commit, not started yet
         self.serial = 0  # the step being opened or run
         self.peeked = False  # this step wrote weights into the second set: the next step's gradients land there
-        self.late = False  # a chunk of this step had to run its last commit itself
+        self.inline = 0  # commits a kernel had to run itself since the last choice
+        self.commit_s: float | None = None  # a commit's seconds (running mean)
+        self.last_end = 0.0  # when the last commit ended (host clock)
+        self.slack: float | None = None  # the worker's idle seconds between a step's last commit and the next kernel
+        self.seen = -1  # the step whose first kernel was seen
+        self.committing = -1  # the last step that queued commits
         self.first_chunks = 1 << 30  # chunks (lowest index first: the next forward's order) that go weights first
         self.late_steps = 0  # steps in which commits did not keep up
 
     # ------------------------------------------------------------------ the policy
     def choose(self) -> bool:
-        """Whether the coming step goes weights first at all (asked once per step it could): one chunk fewer in
-        eight after a step whose commits did not keep up, one more after a step whose did."""
+        """Whether the coming step goes weights first at all, and for how many chunks (asked once per step it
+        could): see the module's docstring. The measurements are a step old (a step's commits are judged at the
+        next step's first kernel)."""
         chunks = self.host.chunk_count
         with self.host.executor.condition:
-            late, self.late = self.late, False
-        if late:
+            inline, slack, cost = self.inline, self.slack, self.commit_s
+            self.inline, self.slack = 0, None
+        first = min(self.first_chunks, chunks)
+        if inline:
             self.late_steps += 1
-            self.first_chunks = max(0, min(self.first_chunks, chunks) - max(1, chunks // 8))
-        else:
-            self.first_chunks = min(chunks, self.first_chunks + 1)
+            first -= inline + 1
+        elif slack is not None and cost:
+            first += min(max(1, chunks // 8), int(0.5 * slack / cost))
+        else:  # nothing committed lately: try one more
+            first += 1
+        self.first_chunks = max(0, min(chunks, first))
         return self.first_chunks > 0
 
     # ------------------------------------------------------------------ a step
@@ -71,7 +84,7 @@ class WeightsFirstMode(ExactMode):
         with self.host.executor.condition:
             older = {k for k, step in self.pending.items() if step < self.serial}
             if older:
-                self.late = True
+                self.inline += 1
                 self.wait(older)
             if self.peeked:
                 self.host.staging.swap_sets()
@@ -102,14 +115,20 @@ class WeightsFirstMode(ExactMode):
         host = self.host
         job = partial(self.commit, k, pieces, host.host_views(pieces), args, scale, apart)
         with host.executor.condition:
-            self.pending[k], self.todo[k], self.peeked = self.serial, job, True
+            self.pending[k], self.todo[k], self.peeked, self.committing = self.serial, job, True, self.serial
             host.executor.submit(Job("commit", k, partial(self.start, k), lambda: (2, k)))
 
     def commit_first(self, k: int) -> None:
-        """On the worker, before chunk k steps again: its last commit, run now if it has not started."""
+        """On the worker, before chunk k steps again: its last commit, run now if it has not started. The step's
+        first kernel also measures how long the worker idled after the last commits, if they all had ended."""
+        now = time.perf_counter()
         with self.host.executor.condition:
+            if self.seen != self.serial:
+                self.seen = self.serial
+                if not self.todo and not self.pending and self.committing == self.serial - 1:
+                    self.slack = now - self.last_end
             job = self.todo.pop(k, None)
-            self.late |= job is not None
+            self.inline += job is not None
         if job is not None:
             job()
 
@@ -128,11 +147,15 @@ class WeightsFirstMode(ExactMode):
             if apart:
                 host.state.flip(pieces)
         finally:
+            end = time.perf_counter()
             with host.executor.condition:
                 self.pending.pop(k, None)
+                seconds = end - begin
+                self.commit_s = seconds if self.commit_s is None else 0.8 * self.commit_s + 0.2 * seconds
+                self.last_end = end
                 host.executor.condition.notify_all()
         if host.timeline is not None:
-            host.timeline.append({"commit": k, "start": begin, "end": time.perf_counter()})
+            host.timeline.append({"commit": k, "start": begin, "end": end})
 
     def wait(self, chunks: set[int] | None = None) -> None:
         """Until the commits of `chunks` (else all) have ended (caller holds the executor's condition); with none
