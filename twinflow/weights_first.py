@@ -19,8 +19,10 @@ the norm is shorter; but peek and commit together are about 1.6 times the single
 fit in one iteration. So only the chunks the next forward needs first go weights first (:attr:`first_chunks`),
 the rest take the single pass. The count adapts to what was measured (:meth:`choose`): after a step whose
 commits did not keep up, it drops by the commits that chunks had to run themselves, and one more; after a step
-whose did, it grows by half the commits the worker's idle time before the next step's kernels would have held.
-The first step goes weights first in full.
+whose commits left the worker idle for two commits' time before the next step's kernels, it grows by one. It
+grows no faster: commits running beside the next forward and backward slow them too (they share the host's
+memory with the gradients' copies), which the worker's idle time does not show. The first step goes weights
+first in full.
 """
 
 from __future__ import annotations
@@ -69,10 +71,8 @@ class WeightsFirstMode(ExactMode):
         if inline:
             self.late_steps += 1
             first -= inline + 1
-        elif slack is not None and cost:
-            first += min(max(1, chunks // 8), int(0.5 * slack / cost))
-        else:  # nothing committed lately: try one more
-            first += 1
+        elif slack is None or (cost is not None and slack >= 2 * cost):
+            first += 1  # room for more commits, or nothing committed lately: one more chunk
         self.first_chunks = max(0, min(chunks, first))
         return self.first_chunks > 0
 
