@@ -237,6 +237,16 @@ def test_speculation_on_the_gpu_redoes_new_weights_first_bit_for_bit(clip: float
     assert same(want, got)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_delayed_steps_on_the_gpu_are_unchanged_by_weights_first(precision: str) -> None:
+    options = dict(delay_after=2, state_precision=precision, steps=5, device="cuda")
+    want = run(False, True, 1e-3, 0.5, torch.bfloat16, **options)
+    got = run(True, True, 1e-3, 0.5, torch.bfloat16, held=True, **options)
+    assert got.commits == got.peeks >= got.chunks > 0
+    assert same(want, got)
+
+
 def test_the_weights_first_share_follows_the_measured_commits() -> None:
     """The policy on given measurements: commits a kernel had to run itself take that many chunks and one more
     off the share; idle time after the commits of at least two commits' time adds one; less holds; no

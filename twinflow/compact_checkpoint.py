@@ -261,6 +261,8 @@ def write(f: IO[bytes], *, model: dict[str, torch.Tensor], optimizer: TwinFlowAd
     """Writes a compact shard to `f` (a seekable file): `model` (the rank's tensors of the model's state dict),
     `optimizer`'s state as it is kept (no step under way), the scheduler's state dict and `extra`."""
     split = optimizer.coordinator.split
+    split.check_settled()  # between backward and step(), commits and eager kernels may still write the state
+    split.settle_state()
     span = record_elements(optimizer.chunk_bytes)
     tensors = list(model.values())
     model_records = [["model", k, a, min(t.numel(), a + span)] for k, t in enumerate(tensors)

@@ -150,8 +150,9 @@ class StepCoordinator:
                     self.host.finish()  # the last step's multiplier is known once its chunks are done
                     return self.host.last_scale
 
+                # not while a delayed update is pending: its weights still sit in the set speculation writes
                 spec = not notes.eager and self.speculation.speculate(
-                    self.split.delaying(self.settings.delay_after), last_scale)  # fmt: skip
+                    self.split.delaying(self.settings.delay_after) or self.host.late_pending, last_scale)  # fmt: skip
                 self.open_step(self.step_args() if notes.eager or spec else None, self.mode(spec))
         if not notes.eager:
             self.scale.add_norm(i, grad)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class CpuExecutor:
         self.queue: list[Job] = []
         self.running: Job | None = None
         self.error: BaseException | None = None
+        self.reported: BaseException | None = None  # recorded by `reporting`: the loop does not record it again
         self.gate: Callable[[Job], bool] | None = None
         self.stopped = False
         self.thread: threading.Thread | None = None
@@ -69,8 +71,26 @@ class CpuExecutor:
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Waits (caller holds the condition) until `done()`, or raises the worker's error."""
         while not done() and self.error is None:
+            if self.stopped and self.running is None:
+                raise RuntimeError(
+                    "TwinFlowAdam's CPU worker was stopped (close(), or the interpreter exiting) with work still "
+                    "queued; what it left undone cannot be waited for"
+                )
             self.condition.wait()
         self.raise_error()
+
+    @contextmanager
+    def reporting(self) -> Iterator[None]:
+        """On the worker: an exception of the block becomes the worker's error at once, before the job's own
+        cleanup signals a waiter (who then sees it), not only once the job has returned."""
+        try:
+            yield
+        except BaseException as exc:
+            with self.condition:
+                self.error = self.error or exc
+                self.reported = exc
+                self.condition.notify_all()
+            raise
 
     def raise_error(self) -> None:
         """Raises, once, the exception a job ended with (caller holds the condition)."""
@@ -111,6 +131,7 @@ class CpuExecutor:
             except BaseException as exc:  # surfaced in the main thread at its next wait
                 error = exc
             with self.condition:
-                self.error = error or self.error
+                if error is not None and error is not self.reported:
+                    self.error = error or self.error
                 self.running = None
                 self.condition.notify_all()

@@ -99,6 +99,9 @@ class HostSide:
         if mode.startswith(("speculative", "delayed")):  # they read or swap the state's and gradients' second sets
             with self.executor.condition:
                 self.weights_first.wait()
+        elif args is not None and self.delayed.pending:  # eager chunks would step before the late job
+            with self.executor.condition:
+                self.delayed.wait_kernel()
         self.weights_first.open_step()  # may move this step's gradients to the other buffer set
         self.speculative.first = mode == "speculative+weights_first"
         self.mode = {"exact": self.exact, "weights_first": self.weights_first, "speculative": self.speculative,
@@ -279,6 +282,11 @@ class HostSide:
         weights written back in place or (`apart`) into the spare buffer with the state out of place, or into
         `outs` if given (None: no weights, the state only). `peek`: the weights only, the state left as it
         was. Returns the multiplier (read from `args` unless known)."""
+        with self.executor.reporting():  # seen by whoever the caller's cleanup wakes
+            return self.step_groups(ready, pieces, grads, args, scale, apart, outs, peek)
+
+    def step_groups(self, ready: torch.cuda.Event | NoEvent | None, pieces: list[Piece], grads: list[torch.Tensor],
+                    args: StepArgs, scale: float | None, apart: bool, outs: object, peek: bool) -> float:  # fmt: skip
         if ready is not None:
             ready.synchronize()
         if scale is None:

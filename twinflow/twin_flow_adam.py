@@ -383,6 +383,7 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     split = opt.coordinator.split
     if split.built:  # ratio='auto' not decided yet: nothing stepped
+        split.check_settled()  # between backward and step() the CPU may still be writing the state
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in split.export().items()}
     settings = {key: getattr(opt, key) for key in _SETTINGS}
