@@ -168,7 +168,7 @@ def test_the_next_gradients_do_not_wait_for_the_commits(attached: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_speculation_redoes_new_weights_first_bit_for_bit(clip: float, dtype: torch.dtype) -> None:
     """Attached speculation: a step that clips is redone with the peek (from the state the chunk started from)
-    and committed out of place behind it; one that does not clip keeps its speculative chunks (no commit)."""
+    and committed behind it; one that does not clip keeps its speculative chunks (no commit)."""
     options = dict(speculate=True, steps=6)
     want = run(False, True, clip, 0.5, dtype, **options)
     exact = run(False, True, clip, 0.5, dtype, steps=6)

@@ -36,7 +36,7 @@ class CommitsBehind(Protocol):
 
     def run(self, k: int, args: StepArgs | None = None) -> None: ...
 
-    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool = False) -> None: ...
+    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None: ...
 
 
 class HostSide(Protocol):
@@ -189,11 +189,8 @@ class SpeculativeMode(ExactMode):
         self.rollbacks += redo
         for k in held:
             pieces = host.live(k)
-            if redo and self.first:  # the peek from the state the chunk started from; the commit behind it
-                host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,
-                            outs=host.spare_views(pieces), peek=True)  # fmt: skip
-                host.upload(k, pieces, host.spare_views(pieces))
-                host.weights_first.behind(k, pieces, verdict, scale, apart=True)
+            if redo and self.first:  # the peek from the state the chunk started from (still current); its commit
+                host.weights_first.behind(k, host.run_chunk(k, verdict, peek=True), verdict, scale)
                 continue
             if redo:
                 host.kernel(host.staging.chunks[k].grad_ready, pieces, host.host_views(pieces), verdict, scale,

@@ -3,8 +3,7 @@
 In a step that waits for the norm (clipping, or attached with ``eager=False``), a chunk's peek runs the update's
 arithmetic and writes only its rounded weights, into the second buffer set, and they go up at once. Its commit,
 the same arithmetic writing the state (in place, bit for bit the single pass), runs behind every chunk of the
-step, while the GPU runs the next forward and backward. Speculation's redo uses it too (:meth:`behind`, out of
-place).
+step, while the GPU runs the next forward and backward. Speculation's redo uses it too (:meth:`behind`).
 
 Two buffer sets alternate. The commits read the gradients of their step, so the next step's gradients land in
 the other set (the one the weights went up from): no download waits for a commit. What does wait for one:
@@ -48,13 +47,12 @@ class WeightsFirstMode(ExactMode):
         self.pending: dict[int, int] = {}  # chunk -> the step whose commit of it has not ended
         self.todo: dict[int, Callable[[], None]] = {}  # chunk -> its commit, not started yet
         self.serial = 0  # the step being opened or run
-        self.peeked = False  # this step wrote weights into the second set: the next step's gradients land there
         self.inline = 0  # commits a kernel had to run itself since the last choice
         self.commit_s: float | None = None  # a commit's seconds (running mean)
         self.last_end = 0.0  # when the last commit ended (host clock)
         self.slack: float | None = None  # the worker's idle seconds between a step's last commit and the next kernel
         self.seen = -1  # the step whose first kernel was seen
-        self.committing = -1  # the last step that queued commits
+        self.committing = -1  # the last step that queued commits (its gradients' set stays with them)
         self.first_chunks = 1 << 30  # chunks (lowest index first: the next forward's order) that go weights first
         self.late_steps = 0  # steps in which commits did not keep up
 
@@ -86,9 +84,8 @@ class WeightsFirstMode(ExactMode):
             if older:
                 self.inline += 1
                 self.wait(older)
-            if self.peeked:
+            if self.committing == self.serial:  # the next step's gradients land in the other set
                 self.host.staging.swap_sets()
-                self.peeked = False
             self.serial += 1
 
     def prepare(self, args: StepArgs | None) -> None:
@@ -108,14 +105,13 @@ class WeightsFirstMode(ExactMode):
         finally:
             host.mark_done([k])
 
-    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float, apart: bool = False) -> None:
-        """Queues the commit of chunk k, whose weights are up: in place, or (`apart`, a speculative redo) from the
-        pieces' current set into the other, which then becomes current. Its gradients are read where they are
-        now."""
+    def behind(self, k: int, pieces: list[Piece], args: StepArgs, scale: float) -> None:
+        """Queues the commit of chunk k, whose weights are up (the state in place; its gradients read where they
+        are now)."""
         host = self.host
-        job = partial(self.commit, k, pieces, host.host_views(pieces), args, scale, apart)
+        job = partial(self.commit, k, pieces, host.host_views(pieces), args, scale)
         with host.executor.condition:
-            self.pending[k], self.todo[k], self.peeked, self.committing = self.serial, job, True, self.serial
+            self.pending[k], self.todo[k], self.committing = self.serial, job, self.serial
             host.executor.submit(Job("commit", k, partial(self.start, k), lambda: (2, k)))
 
     def commit_first(self, k: int) -> None:
@@ -139,13 +135,11 @@ class WeightsFirstMode(ExactMode):
         if job is not None:
             job()
 
-    def commit(self, k: int, pieces: list[Piece], grads: list, args: StepArgs, scale: float, apart: bool) -> None:
+    def commit(self, k: int, pieces: list[Piece], grads: list, args: StepArgs, scale: float) -> None:
         host = self.host
         begin = time.perf_counter()
         try:
-            host.kernel(None, pieces, grads, args, scale, apart=apart, outs=None)
-            if apart:
-                host.state.flip(pieces)
+            host.kernel(None, pieces, grads, args, scale, outs=None)
         finally:
             end = time.perf_counter()
             with host.executor.condition:
