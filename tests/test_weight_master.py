@@ -137,3 +137,21 @@ def test_a_tensor_multiplier_gives_the_bits_of_the_same_float() -> None:
         assert all(torch.equal(x, y) for x, y in zip(results[a], results[b]))
     assert not torch.equal(results[0][2], results[2][2])  # the multiplier reaches the moments (the update is
     # scale-free on a first step from zero moments, the moments are not)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_master24_copy_is_the_nearest_encoding_of_any_source(dtype: torch.dtype) -> None:
+    """Master24.copy_ (which takes bfloat16 weights without encoding them) holds what encode_master gives the
+    values, for every bfloat16 bit pattern and random values of the wider dtypes (NaN, infinities, subnormals)."""
+    if dtype == torch.bfloat16:
+        src = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    else:
+        gen = torch.Generator().manual_seed(3)
+        src = (torch.randn(70_000, generator=gen) * torch.logspace(-45, 38, 70_000).float()).to(dtype)
+        src[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+    master = compact.Master24.empty(src.numel())
+    master.hi.fill_(7.0), master.lo.fill_(0x5A)  # poisoned: every element must be written
+    master.copy_(src)
+    hi, lo = compact.encode_master(src.float())
+    assert torch.equal(master.hi.view(torch.int16), hi.view(torch.int16))
+    assert torch.equal(master.lo, lo)

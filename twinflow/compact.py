@@ -83,11 +83,11 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def fresh(n: int) -> list[torch.Tensor]:
-    """Fresh 8-bit moments of n elements, as the kernel takes them: exp_avg codes and scales, exp_avg_sq codes
-    and scales (all zero: both moments zero)."""
-    return [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks(n), dtype=torch.uint8),
-            torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks(n), dtype=torch.uint8)]  # fmt: skip
+def fresh(n: int, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """Fresh 8-bit moments of n elements on `device` (default: the host), as the kernel takes them: exp_avg
+    codes and scales, exp_avg_sq codes and scales (all zero: both moments zero)."""
+    codes = [(n, torch.int8), (blocks(n), torch.uint8), (n, torch.uint8), (blocks(n), torch.uint8)]
+    return [torch.zeros(size, dtype=dtype, device=device) for size, dtype in codes]
 
 
 def _per_element(per_block: torch.Tensor, numel: int) -> torch.Tensor:
@@ -251,9 +251,14 @@ class Master24:
         return decode_master(self.hi, self.lo)
 
     def copy_(self, src: torch.Tensor) -> Master24:
+        """`src`'s values, rounded to the nearest 24-bit master (ties away from zero)."""
         flat = src.detach().reshape(-1)
-        for a, b in spans(flat.numel()):
-            hi, lo = encode_master(flat[a:b].cpu())  # encoded on the host: no device scratch memory
+        if flat.dtype == torch.bfloat16:  # a bfloat16 is a 24-bit master exactly: the top half, a zero low byte
+            self.hi.copy_(flat)
+            self.lo.zero_()
+            return self
+        for a, b in spans(flat.numel()):  # encoded where `src` lives, a span at a time: bounded scratch there
+            hi, lo = encode_master(flat[a:b])
             self.hi[a:b].copy_(hi)
             self.lo[a:b].copy_(lo)
         return self

@@ -69,7 +69,7 @@ def new_segment(seg: Segment, flat: torch.Tensor, precision: str) -> CompactSegm
         residual = torch.zeros(seg.numel, dtype=torch.int8, device=flat.device)  # the weight is the master
     elif flat.dtype != F32:
         master = flat.float()
-    codes = [t.to(flat.device) for t in compact.fresh(seg.numel)]
+    codes = compact.fresh(seg.numel, flat.device)  # made where they live: no host zeros, no copy
     return CompactSegment(seg, flat, master, residual, codes)
 
 
