@@ -1,5 +1,6 @@
 """The C++ kernel, on every SIMD path, against torch.optim and a float64 reference."""
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from tests.reference import adam_reference
-from twinflow import ops
+from twinflow import node, ops
 
 SIZES = [1, 7, 17, 1_000_003]  # none a multiple of a vector width
 STEPS = 20
@@ -512,11 +513,17 @@ def test_default_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch,
         with pytest.raises(ValueError, match=rf"TWINFLOW_NUM_THREADS='{bad}': expected a positive integer"):
             ops.default_num_threads()
     monkeypatch.delenv("TWINFLOW_NUM_THREADS")
-    # torchrun's OMP_NUM_THREADS=1 with several processes: the kernel keeps torch's count but says how to fix it
+    # torchrun's OMP_NUM_THREADS=1 with several processes: each rank's kernel takes its share of the cores, said once
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(ops.os, "sched_getaffinity", lambda _: set(range(64)))
-    ops.warn_one_thread.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="twinflow.ops"):
-        assert ops.default_num_threads() == 1
-    assert "set OMP_NUM_THREADS=32" in caplog.text
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)))
+    monkeypatch.setattr(node, "numa_nodes", lambda root="/": {0: set(range(64))})  # one NUMA node, whatever the host
+    ops.announced_share.cache_clear()
+    with caplog.at_level(logging.INFO, logger="twinflow.notice"):
+        assert ops.default_num_threads() == 32
+        assert ops.default_num_threads() == 32  # from the cache: one notice
+    said = [r.getMessage() for r in caplog.records if r.name == "twinflow.notice"]
+    assert said == ["the CPU kernel uses 32 threads: this rank's share of 64 cores among 2 local ranks; "
+                    "set TWINFLOW_NUM_THREADS to change it"]  # fmt: skip
+    ops.announced_share.cache_clear()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twinflow import ops
+from twinflow import node, ops
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # executors whose worker may be running
 
@@ -113,7 +113,11 @@ class CpuExecutor:
         return [job for job in self.queue if self.gate is None or self.gate(job)]
 
     def work(self) -> None:
-        """The worker thread's loop."""
+        """The worker thread's loop. Where twinflow chose the kernel's cores and is to pin (ops.automatic_share),
+        this thread is pinned to them first: the kernel's OpenMP threads, which it starts, inherit its mask."""
+        share = ops.automatic_share()
+        if share is not None and share.pin:
+            node.pin_this_thread(share.cpus)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from twinflow import node
 from twinflow.notice import notice
 
 log = logging.getLogger(__name__)
@@ -229,11 +230,9 @@ def resolve_simd(simd: str | None = None) -> int:
 
 
 def default_num_threads() -> int:
-    """Threads the kernel uses unless told otherwise: TWINFLOW_NUM_THREADS, else torch's intra-op thread count.
-
-    torchrun sets OMP_NUM_THREADS=1 for every process when it starts several, which would leave the
-    kernel one thread: that case is warned about once, naming the fix.
-    """
+    """Threads the kernel uses unless told otherwise: TWINFLOW_NUM_THREADS, else this rank's share of the host's
+    cores where twinflow chooses them (:func:`automatic_share`), else torch's intra-op thread count (a user's
+    OMP_NUM_THREADS). Called for every chunk: the share is computed once."""
     value = os.environ.get("TWINFLOW_NUM_THREADS")
     if value:
         try:
@@ -243,24 +242,27 @@ def default_num_threads() -> int:
         if threads < 1:
             raise ValueError(f"TWINFLOW_NUM_THREADS={value!r}: expected a positive integer, e.g. 16")
         return threads
-    threads = torch.get_num_threads()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if threads == 1 and local > 1:  # called for every chunk: the core count only in this rare case
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if cores >= 2 * local:
-            warn_one_thread(cores, local)
-    return threads
+    share = automatic_share()
+    return len(share.cpus) if share is not None else torch.get_num_threads()
+
+
+def automatic_share() -> node.CoreShare | None:
+    """This rank's share of the host's cores (:func:`twinflow.node.core_share`) where twinflow chooses the
+    kernel's threads: TWINFLOW_NUM_THREADS unset, and torch left one thread to each of several local ranks
+    (torchrun's OMP_NUM_THREADS=1); None otherwise. Its worker is pinned to it unless TWINFLOW_PIN=0."""
+    ranks = node.local_ranks()
+    if os.environ.get("TWINFLOW_NUM_THREADS") or torch.get_num_threads() != 1 or ranks < 2:
+        return None
+    return announced_share(node.local_rank(), ranks, os.environ.get("TWINFLOW_PIN", "1") != "0")
 
 
 @functools.cache
-def warn_one_thread(cores: int, local: int) -> None:
-    """Warns, once per (cores, local) (a ``functools.cache``), that torchrun left the kernel one thread, naming the
-    fix. Tests may clear its cache (``warn_one_thread.cache_clear()``) to see the warning again."""
-    log.warning(
-        "the CPU Adam kernel gets 1 thread (torchrun sets OMP_NUM_THREADS=1 for %d processes on %d cores); "
-        "set OMP_NUM_THREADS=%d (or TWINFLOW_NUM_THREADS, or TwinFlowAdam(num_threads=...)) for a faster step",
-        local, cores, cores // local,
-    )  # fmt: skip
+def announced_share(rank: int, ranks: int, pin: bool) -> node.CoreShare:
+    """:func:`twinflow.node.core_share`, read once per argument (a ``functools.cache``) and said in a notice.
+    Tests may clear its cache (``announced_share.cache_clear()``) to read the host again."""
+    share = node.core_share(rank, ranks, pin=pin)
+    notice("%s", share.describe())
+    return share
 
 
 def adam_step_(

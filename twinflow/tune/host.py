@@ -1,9 +1,13 @@
-"""How much host memory this process may still take, and how many processes of the job share it."""
+"""How much host memory this process may still take, and how many processes of the job share it
+(:func:`twinflow.node.local_ranks`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from twinflow.node import local_ranks
+
+__all__ = ["host_available_bytes", "local_ranks"]  # local_ranks: defined in twinflow.node, kept importable here
 
 
 def _read(path: str) -> str | None:
@@ -44,11 +48,3 @@ def host_available_bytes(root: str = "/") -> float:
     room = _cgroup_room(_read(v1 + "memory.limit_in_bytes"), _read(v1 + "memory.usage_in_bytes"),
                         _read(v1 + "memory.stat"), "total_inactive_file")  # fmt: skip
     return min(available, room)
-
-
-def local_ranks() -> int:
-    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE; 1 without it): they share its memory."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
