@@ -10,7 +10,7 @@ from twinflow import ops
 # path-dependent until it is listed here.
 PATH_INDEPENDENT_MODULES = frozenset({
     "test_bench_train", "test_build", "test_config", "test_examples", "test_partition", "test_readme",
-    "test_structure", "test_train_opt_errors", "test_tune_cli", "test_weight_master",
+    "test_structure", "test_train_opt_errors", "test_tune_cli", "test_warm_up", "test_weight_master",
 })  # fmt: skip
 
 
@@ -18,6 +18,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "simd" not in getattr(item, "fixturenames", ()) and item.path.stem not in PATH_INDEPENDENT_MODULES:
             item.add_marker(pytest.mark.kernel_path)
+    if torch.cuda.device_count() < 2:
+        skip_multigpu = pytest.mark.skip(reason="needs two or more CUDA GPUs (NCCL)")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(skip_multigpu)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
