@@ -69,3 +69,22 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def largest_over_ranks(value: float, device: torch.device) -> float:
+    """The largest `value` any rank of the default group gave (every rank calls it; a tensor on `device`, which
+    the group's backend can reduce: the rank's GPU under NCCL)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def wait_for_ranks(device: torch.device) -> None:
+    """Returns once every rank of the default group has called it (a reduction of one element on `device`)."""
+    import torch.distributed as dist
+
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t)
+    t.item()  # the host waits for the reduction, not only the device

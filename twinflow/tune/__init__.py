@@ -88,7 +88,7 @@ from typing import Any
 
 import torch
 
-from twinflow import compact
+from twinflow import compact, distributed
 from twinflow.device_compact import BATCH
 from twinflow.device_side import UPCAST_ELEMENTS
 from twinflow.tune.host import host_available_bytes, local_ranks
@@ -241,6 +241,20 @@ def choose_ratio(
         "weights_first": weights_first,
         "inputs": asdict(inputs),
     }
+
+
+def agree(decision: dict[str, Any], ratio: float) -> dict[str, Any]:
+    """`decision` at `ratio`, the largest any rank of a multi-process job chose: each rank steps its own shard and
+    the step waits for the slowest, so all take one ratio, the one that keeps every rank's device within its
+    budget (ranks of one node see nearly the same memory; each planned its host share of the node)."""
+    if ratio == decision["ratio"]:
+        return decision | {"ratio_over_ranks": ratio}
+    x = Inputs(**decision["inputs"])
+    time_s = predict_time(x, ratio, decision["placement"], decision["overlap"], decision["eager"],
+                          decision["delayed"], decision["speculative"], decision["weights_first"])  # fmt: skip
+    return decision | {"ratio": ratio, "ratio_over_ranks": ratio, "ratio_this_rank": decision["ratio"],
+                       "predicted_time_s": time_s, "predicted_peak_bytes": predict_peak(x, ratio),
+                       "predicted_host_bytes": predict_host(x, ratio)}  # fmt: skip
 
 
 def _on_device(inputs: Inputs, row: dict) -> bool:
@@ -444,6 +458,8 @@ class IterationProbe:
         limits = [int(x) for x in (capacity, budget) if x is not None]
         budget = int(min(limits) * (1 - margin)) if limits else None  # None: no device memory limit
         probe_n, tensors = probe_elements(elements), len(params) if on_cpu else 1
+        if distributed.multi_process():  # the node's ranks probe the kernel together: they share its memory
+            distributed.wait_for_ranks(self.device)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = Inputs(
             elements=elements,
@@ -475,5 +491,7 @@ class IterationProbe:
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative,
                                 weights_first=weights_first)  # fmt: skip
+        if distributed.multi_process():
+            decision = agree(decision, distributed.largest_over_ranks(decision["ratio"], self.device))
         decision["release_grads"], decision["state_precision"] = release_grads, state_precision
         return decision
