@@ -199,8 +199,9 @@ def main() -> None:
         f"{time.perf_counter() - build_start:.1f} s")  # fmt: skip
     init_start = time.perf_counter()
     engine, optimizer, _, _ = twinflow.initialize(model=model, config=config)
-    say(f"twinflow.initialize (ratio {config.ratio}) took {time.perf_counter() - init_start:.1f} s; training "
-        "(the first step is several times slower than the next: one-time allocations and warm-up)")  # fmt: skip
+    initialize_seconds = time.perf_counter() - init_start
+    say(f"twinflow.initialize (ratio {config.ratio}) took {initialize_seconds:.1f} s; training (the first step "
+        "is slower than the next: one-time allocations and warm-up, and the plan of ratio 'auto')")  # fmt: skip
 
     micro, accumulation = config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
     seed = args.seed + 1 + rank
@@ -211,7 +212,7 @@ def main() -> None:
     tokens_per_step = micro * accumulation * args.seq_len
     # 6 N per token for forward and backward, plus 2 N for the recomputed forward (activation checkpointing)
     flops_per_step = 8 * params * tokens_per_step
-    losses, times, start = [], [], time.perf_counter()
+    losses, times, reserved, start = [], [], [], time.perf_counter()
     bar = tqdm(range(args.steps), desc=args.model, unit="step", disable=rank != 0)
     for _ in bar:
         step_start = time.perf_counter()
@@ -223,6 +224,8 @@ def main() -> None:
         losses.append(loss.item())
         elapsed = time.perf_counter() - step_start
         times.append(elapsed)
+        if cuda:  # the allocator's reserve after each step: flat once warm, unless memory fragments
+            reserved.append(torch.cuda.memory_reserved() / 2**30)
         if hasattr(bar, "set_postfix"):
             host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             shown = dict(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
@@ -239,7 +242,10 @@ def main() -> None:
         "device": device,
         "dtype": str(dtype),
         "world_size": config.world_size,
-        "ratio": config.ratio,
+        "ratio": engine.local_optimizer.ratio,  # the ratio "auto" planned at the first step, or the config's
+        "ratio_requested": config.ratio,
+        "initialize_seconds": initialize_seconds,
+        "first_step_seconds": times[0],
         "steps": args.steps,
         "first_loss": losses[0],
         "last_loss": losses[-1],
@@ -250,6 +256,8 @@ def main() -> None:
         "tflops_per_rank": flops_per_step / seconds / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "reserved_gib_per_step": reserved or None,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
     }
     if rank == 0:
         print(json.dumps(summary, indent=2))
@@ -259,7 +267,7 @@ def main() -> None:
             plot_path = summary_path.with_suffix(".png")
             if plot_path == summary_path:  # --summary x.png: keep the JSON
                 plot_path = summary_path.with_name(summary_path.name + ".png")
-            title = f"{args.model_path or args.model}, ratio {config.ratio}, {dtype} on {device}"
+            title = f"{args.model_path or args.model}, ratio {summary['ratio']}, {dtype} on {device}"
             say(plot_losses(losses, title, plot_path))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

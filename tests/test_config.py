@@ -175,7 +175,7 @@ def test_the_example_config_loads() -> None:
     ("opt-13b-h100-int8.json", 1, 0.55, "last", 4),
     ("opt-13b-h100-int8_m24.json", 1, 0.3, "last", 4),
     ("opt-13b-h100-int8_m24-delayed.json", 1, 0.3, "last", 4),
-    ("opt-30b.json", 4, 0.4, "first", 16),
+    ("opt-30b.json", 4, "auto", "last", 16),
     ("opt-30b-1gpu.json", 1, 0.53, "last", 4),
 ])  # fmt: skip
 def test_the_opt_example_configs_load(name: str, world: int, ratio: float, placement: str, batch: int) -> None:
