@@ -63,3 +63,14 @@ def test_the_ranks_plan_the_largest_ratio_any_chose(tmp_path) -> None:
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0 == {"ratio": 1.0, "ratio_over_ranks": 1.0, "ratio_this_rank": None}
     assert r1 == {"ratio": 1.0, "ratio_over_ranks": 1.0, "ratio_this_rank": 0.0}
+
+
+def test_a_line_every_rank_would_write_alike_is_written_by_rank_0(monkeypatch, caplog) -> None:
+    from twinflow.notice import notice_on_first_rank
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for rank in (1, 0):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda r=rank: r)
+        with caplog.at_level("INFO", logger="twinflow.notice"):
+            notice_on_first_rank("ratio='auto' chose %s", rank)
+    assert [r.getMessage() for r in caplog.records] == ["ratio='auto' chose 0"]

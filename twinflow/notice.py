@@ -48,3 +48,12 @@ def _logger() -> logging.Logger:
 def notice(message: str, *args: object) -> None:
     """Logs one line at INFO on ``twinflow.notice`` (printed to stderr when logging is not configured)."""
     _logger().info(message, *args)
+
+
+def notice_on_first_rank(message: str, *args: object) -> None:
+    """:func:`notice`, on rank 0 of a torch.distributed job only (every process where there is none): for a line
+    that every rank would write alike, as DeepSpeed logs on rank 0."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        notice(message, *args)

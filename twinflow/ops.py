@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from twinflow import node
-from twinflow.notice import notice
+from twinflow.notice import notice, notice_on_first_rank
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def announced_share(rank: int, ranks: int, pin: bool) -> node.CoreShare:
     """:func:`twinflow.node.core_share`, read once per argument (a ``functools.cache``) and said in a notice.
     Tests may clear its cache (``announced_share.cache_clear()``) to read the host again."""
     share = node.core_share(rank, ranks, pin=pin)
-    notice("%s", share.describe())
+    notice_on_first_rank("%s", share.describe())
     return share
 
 

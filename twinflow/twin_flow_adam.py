@@ -24,7 +24,7 @@ from twinflow.compact import check_state_precision
 from twinflow.coordinator import Settings, StepCoordinator
 from twinflow.cpu_adam import ParamsT, adam_defaults, align_group_flags, check_adamw_flags
 from twinflow.host_modes import check_delay_after
-from twinflow.notice import notice
+from twinflow.notice import notice_on_first_rank
 from twinflow.overlap import Attachment, resolve
 from twinflow.partition import check_placement, check_ratio
 from twinflow.split_state import ENTRY_KEYS, validated
@@ -273,7 +273,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             weights_first=self.weights_first,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
-        notice("%s", explain(self.auto_decision))  # the whole decision stays in self.auto_decision
+        notice_on_first_rank("%s", explain(self.auto_decision))  # the whole decision stays in self.auto_decision
         self.coordinator.build(self.ratio)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
