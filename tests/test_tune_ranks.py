@@ -74,3 +74,33 @@ def test_a_line_every_rank_would_write_alike_is_written_by_rank_0(monkeypatch, c
         with caplog.at_level("INFO", logger="twinflow.notice"):
             notice_on_first_rank("ratio='auto' chose %s", rank)
     assert [r.getMessage() for r in caplog.records] == ["ratio='auto' chose 0"]
+
+
+def test_no_ratio_fitting_names_the_gpu_count_that_would() -> None:
+    """OPT-30B-like shards of 4 ranks on 80 GB GPUs with a small host share: fp32 state fits neither memory at
+    any ratio; the error estimates the GPU count (the model sharded wider) at which a ratio fits, and that count's
+    ratios really fit the model's arithmetic."""
+    import dataclasses
+
+    import pytest
+
+    from twinflow.tune import NoRatioFits
+
+    x = dataclasses.replace(_inputs(), elements=7_500_000_000, grad_bytes=15_000_000_000, first_peak_bytes=40 * GIB,
+                            at_step_bytes=32 * GIB, budget_bytes=70 * GIB, host_budget_bytes=40 * GIB,
+                            world_size=4, sharded=True, state_precision="fp32")  # fmt: skip
+    with pytest.raises(NoRatioFits) as error:
+        choose_ratio(x, "last", overlap=True, eager=False)
+    message = str(error.value)
+    found = __import__("re").search(r"about (\d+) GPUs like this one would fit ratio (\S+) to (\S+) in", message)
+    assert found, message
+    gpus, low = int(found.group(1)), float(found.group(2))
+    factor = gpus // 4
+    assert gpus in (8, 16, 32)
+    shrink = 1 - 1 / factor
+    wider = dataclasses.replace(x, elements=x.elements // factor, grad_bytes=x.grad_bytes // factor,
+                                first_peak_bytes=int(x.first_peak_bytes - shrink * 2 * x.grad_bytes),
+                                at_step_bytes=int(x.at_step_bytes - shrink * 2 * x.grad_bytes),
+                                host_budget_bytes=x.host_budget_bytes / factor)  # fmt: skip
+    d = choose_ratio(wider, "last", overlap=True, eager=False)  # what the message promised
+    assert d["ratio"] >= low and d["predicted_peak_bytes"] <= wider.budget_bytes

@@ -270,7 +270,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             release_grads=notes.release_grads, margin=self.memory_margin, budget=self.memory_budget,
             num_threads=self.num_threads, delayed=self.delay_after is not None,
             speculative=self.coordinator.speculation.planned, state_precision=self.state_precision,
-            weights_first=self.weights_first,
+            weights_first=self.weights_first, sharded=split.mesh_group is not None,
         )  # fmt: skip
         self.ratio, _ = self.auto_decision["ratio"], self._probe.detach()
         notice_on_first_rank("%s", explain(self.auto_decision))  # the whole decision stays in self.auto_decision

@@ -74,8 +74,12 @@ of calls after an untimed warm-up.
 
 When no ratio fits both budgets, ``ratio="auto"`` raises rather than guess
 (a host out of memory kills the process): the error gives the ratios each
-budget allows and what the compact state precisions would allow, which the
-user may opt into; auto never changes the precision itself.
+budget allows, what the compact state precisions would allow, which the
+user may opt into (auto never changes the precision itself), and about how
+many GPUs, the model sharded over them, would fit.
+On several processes the ranks probe the CPU kernel together (they share the
+node's memory bandwidth, so the rate is what each gets while all step) and
+plan one ratio, the largest any rank chose (:func:`agree`).
 """
 
 from __future__ import annotations
@@ -126,6 +130,8 @@ class Inputs:
     state_precision: str = "fp32"
     device_is_cpu: bool = False  # the device side steps on this CPU too, in host memory, on the same cores
     elements_by_dtype: dict[str, int] | None = None  # parameters per dtype name: other precisions' device bytes
+    world_size: int = 1  # processes of the job
+    sharded: bool = False  # the parameters are shards (FSDP2): more processes each hold less of the model
 
 
 def predict_host(inputs: Inputs, ratio: float) -> float:
@@ -351,6 +357,8 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
         if compact.BYTES_PER_ELEMENT[precision] < compact.BYTES_PER_ELEMENT[inputs.state_precision]:
             options.append(_other_precision(inputs, precision, staging, delayed, speculative))
     fix = ("; both sides' state can be made smaller (opt-in, not exact): " + "; ".join(options)) if options else ""
+    more = _more_gpus(inputs)
+    fix += f"; or train on more GPUs: {more}" if more else ""
     if inputs.device_is_cpu and inputs.budget_bytes is None:
         least = min(row["host_bytes"] for row in table)
         return (
@@ -367,6 +375,32 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
         f"{inputs.state_precision!r}, pinned staging included) holds ratio {holds}. Free host or device memory, or "
         f"set memory_budget/memory_margin{fix}"
     )
+
+
+def _more_gpus(inputs: Inputs) -> str:
+    """The least GPU count (2, 4 or 8 times today's) at which some ratio would fit, with the model sharded over them
+    (FSDP2, zero_optimization stage 3): each rank's parameters, gradients, state and host share divided by the
+    factor, its activations as they are (an estimate); '' where none of them would, or the device is the CPU."""
+    if inputs.budget_bytes is None:
+        return ""
+    model_bytes = 2 * inputs.grad_bytes  # the rank's weights and gradients, in the parameters' dtype
+    for factor in (2, 4, 8):
+        shrink = 1 - 1 / factor
+        other = replace(inputs, elements=inputs.elements // factor, grad_bytes=inputs.grad_bytes // factor,
+                        released_bytes_per_ratio=inputs.released_bytes_per_ratio // factor,
+                        first_peak_bytes=int(inputs.first_peak_bytes - shrink * model_bytes),
+                        at_step_bytes=int(inputs.at_step_bytes - shrink * model_bytes),
+                        host_budget_bytes=inputs.host_budget_bytes / factor)  # fmt: skip
+        fits = [k / 100 for k in range(101) if predict_host(other, k / 100) <= other.host_budget_bytes
+                and _on_device(other, {"peak_bytes": predict_peak(other, k / 100)})]  # fmt: skip
+        if fits:
+            gpus = inputs.world_size * factor
+            how = "" if inputs.sharded else " with the model sharded (zero_optimization stage 3)"
+            return (
+                f"about {gpus} GPUs like this one{how} would fit ratio {fits[0]:.2f} to {fits[-1]:.2f} "
+                f"in state_precision={inputs.state_precision!r} (an estimate: activations as measured here)"
+            )
+    return ""
 
 
 def _other_precision(inputs: Inputs, precision: str, staging: float, delayed: bool, speculative: bool) -> str:
@@ -431,6 +465,7 @@ class IterationProbe:
         speculative: bool = False,
         state_precision: str = "fp32",
         weights_first: bool = False,
+        sharded: bool = False,
     ) -> dict[str, Any]:
         """Measures what the first iteration left (memory, times) and the probes, and chooses (choose_ratio's
         decision, plus ``release_grads`` and ``state_precision``). Called at the first ``step()``."""
@@ -488,6 +523,8 @@ class IterationProbe:
             state_precision=state_precision,
             device_is_cpu=on_cpu,
             elements_by_dtype={str(d).removeprefix("torch."): n for d, n in by_dtype.items()},
+            world_size=distributed.rank_and_world()[1],
+            sharded=sharded,
         )
         decision = choose_ratio(inputs, placement, overlap, eager, delayed=delayed, speculative=speculative,
                                 weights_first=weights_first)  # fmt: skip
