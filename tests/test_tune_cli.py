@@ -120,3 +120,41 @@ def test_progress_uses_a_tqdm_bar_where_there_is_one(monkeypatch: pytest.MonkeyP
     (bar,) = made
     assert (bar.total, bar.n, bar.description) == (21, 7, "[1/3] ratio 0.00")
     assert bar.lines == ["[1/3] median step 30.000 s over 5 steps"]  # above the bar; no per-step lines
+
+
+def test_local_ranks_plans_as_one_of_a_nodes_ranks(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--local-ranks N: the host budget is this process's 1/N, the kernel gets 1/N of the cores, and the kernel's
+    probe runs beside N-1 copies of itself (sharers), as the ranks of a torchrun job would."""
+    import twinflow.tune
+    from twinflow.tune import __main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate",
+                        lambda *a, sharers=1, **kw: seen.setdefault("sharers", sharers) and 1e9)  # fmt: skip
+    monkeypatch.setattr(twinflow.tune, "device_adam_rate", lambda *a, **kw: 2e9)
+    monkeypatch.setattr(twinflow.tune, "host_available_bytes", lambda: 64 * 2**30)
+    for name in ("LOCAL_WORLD_SIZE", "TWINFLOW_NUM_THREADS"):  # unset now, and as they were after the test
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    cli.main(["--model", "opt-tiny", "--batch", "1", "--seq", "8", "--ratios", "--warmup", "0", "--steps", "1",
+              "--local-ranks", "4"])  # fmt: skip
+    assert seen["sharers"] == 4
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["TWINFLOW_NUM_THREADS"] == "2"
+    out = capsys.readouterr().out
+    assert "planned as one of 4 ranks on this host: 2 kernel threads" in out
+    # 64 GiB less the margin, a quarter of it for this rank: the sentence gives the host share it planned with
+    assert "(14.4 GiB free after the margin)" in out, out
+
+
+def test_a_shared_probe_runs_the_other_ranks_kernels_beside_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from twinflow import ops
+    from twinflow.tune import probes
+
+    callers = set()
+    monkeypatch.setattr(ops, "adam_step_", lambda *a, **kw: callers.add(threading.get_ident()))
+    assert probes.cpu_kernel_rate(1, 1 << 12, sharers=3) > 0
+    assert len(callers) == 3 and threading.get_ident() in callers

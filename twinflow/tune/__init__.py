@@ -510,7 +510,16 @@ class IterationProbe:
             budget_bytes=budget,
             forward_s=forward,
             backward_s=backward,
-            cpu_elements_per_s=cpu_kernel_rate(num_threads, probe_n, state_precision, dtype=dtype, tensors=tensors),
+            # a single process planning as one of a node's LOCAL_WORLD_SIZE ranks (python -m twinflow.tune
+            # --local-ranks) runs the others' probes itself; ranks of a job probe together (above)
+            cpu_elements_per_s=cpu_kernel_rate(
+                num_threads,
+                probe_n,
+                state_precision,
+                dtype=dtype,
+                tensors=tensors,
+                sharers=1 if distributed.multi_process() else local_ranks(),
+            ),
             # on the CPU, on the same elements as the kernel: the two compete for the same work
             gpu_elements_per_s=device_adam_rate(
                 self.device, probe_n if on_cpu else min(elements, 1 << 22) or 1, dtype=dtype, tensors=tensors

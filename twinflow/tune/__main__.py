@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -228,12 +229,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps", type=int, default=5, help="timed steps at each ratio; the median is reported (default: %(default)s)"
     )
+    parser.add_argument(
+        "--local-ranks",
+        type=int,
+        default=1,
+        help="plan as one of this many ranks sharing this host, as under torchrun --nproc-per-node N: each gets "
+        "1/N of the host's memory and of its cores, and the CPU kernel is probed while N-1 copies of it run beside "
+        "it (the measured rows run alone) (default: %(default)s)",
+    )
     parser.add_argument("--json", default=None, help="also write the decision and the table to this file")
     return parser  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.local_ranks > 1:  # planned as one of a node's ranks: its host share and its cores (twinflow.node)
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.local_ranks)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ.setdefault("TWINFLOW_NUM_THREADS", str(max(1, cores // args.local_ranks)))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     side = 0 if device == "cuda" else 1
     defaulted = [name for name in DEFAULTS if getattr(args, name) is None]
@@ -278,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"ratio": ratio, "auto": False, **measured})
     progress.close()
     overlap, eager = decision["overlap"], decision["eager"]
+    if args.local_ranks > 1:
+        print(f"\nplanned as one of {args.local_ranks} ranks on this host: {os.environ['TWINFLOW_NUM_THREADS']} "
+              "kernel threads and its share of the host's memory; the CPU kernel probed beside the others' (the "
+              "measured rows ran alone, so their CPU share is faster than a rank's beside the others)")  # fmt: skip
     print(f"\n{args.model}, {args.batch}x{args.seq} tokens, placement {args.placement}, clip {args.clip}, "
           f"delay_after {args.delay_after}, speculate {args.speculate}, weights_first {args.weights_first}, "
           f"state_precision {args.state_precision}")  # fmt: skip

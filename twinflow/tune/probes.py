@@ -12,6 +12,7 @@ mostly has them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,11 +61,25 @@ def _split(elements: int, tensors: int) -> list[int]:
 def cpu_kernel_rate(
     num_threads: int | None, elements: int = PROBE_ELEMENTS, state_precision: str = "fp32", *,
     dtype: torch.dtype = torch.bfloat16, tensors: int = 1, clock: Callable[[], float] = time.perf_counter,
+    sharers: int = 1,
 ) -> float:  # fmt: skip
     """Elements per second of the CPU kernel, on fresh host memory, with the state in `state_precision` ("fp32",
     "int8" or "int8_m24"): `elements` in `tensors` tensors, gradients in and weights out in `dtype` (the
     pinned staging's, the parameters' dtype), `num_threads` threads (None: the kernel's default). `clock`: the
-    timer (tests inject one)."""
+    timer (tests inject one). `sharers` > 1: as one of that many ranks sharing the host, the others' kernels
+    run the same probe at the same time, each in a thread of its own (the kernel releases the interpreter), so
+    the rate is this rank's share of the host's memory bandwidth."""
+    if sharers > 1:
+        others = [threading.Thread(target=cpu_kernel_rate, args=(num_threads, elements, state_precision),
+                                   kwargs={"dtype": dtype, "tensors": tensors}, daemon=True)
+                  for _ in range(sharers - 1)]  # fmt: skip
+        for thread in others:
+            thread.start()
+        try:
+            return cpu_kernel_rate(num_threads, elements, state_precision, dtype=dtype, tensors=tensors, clock=clock)
+        finally:
+            for thread in others:
+                thread.join()
     ops.load()  # a first-use compile must not be timed
     sizes = _split(elements, tensors)
     gen = torch.Generator().manual_seed(0)
