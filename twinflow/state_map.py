@@ -177,9 +177,11 @@ class StateMap(dict):
         """Parameter i's entry takes twinflow's current values (its own keys stay)."""
         p = split.params[i]
         if split.stepped(i):
-            if isinstance(dict.get(self, p), ParamState):  # the old copies go before the new ones are made
+            if isinstance(dict.get(self, p), ParamState):  # the old copies go before the new ones are made; the
+                old = dict.get(self, p)  # keys stay, values None meanwhile: a caller may be iterating the entry
                 for key in ENTRY_KEYS:
-                    dict.pop(self[p], key, None)
+                    if key in old:
+                        dict.__setitem__(old, key, None)
             entry = split.entry(i, handed=True)
             state = self[p]
             if not isinstance(state, ParamState):  # stored whole by torch or the user: kept, made ours
