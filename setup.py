@@ -37,8 +37,16 @@ setup(
     install_requires=["torch>=2.4", "numpy", "ninja", "pydantic>=2.6"],
     extras_require={
         # Everything the test suite runs: the examples and benchmarks it drives (matplotlib for their
-        # plots), and the clients (Hugging Face transformers and accelerate) it drives twinflow from.
-        "test": ["pytest>=8", "ruff==0.17.6", "tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],
+        # plots), and the clients (Hugging Face transformers and accelerate, Lightning) it drives twinflow from.
+        "test": [
+            "pytest>=8",
+            "ruff==0.17.6",
+            "tqdm",
+            "transformers>=4.46",
+            "accelerate>=1.1",
+            "matplotlib",
+            "lightning>=2.4",
+        ],
         # accelerate: transformers.Trainer refuses to run without it
         "examples": ["tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],
         "compare": ["deepspeed"],

@@ -8,6 +8,7 @@ gradient (the witness) is kept on the device and copied, so that such a change s
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -115,9 +116,28 @@ class GradNotes:
             f"gradient of parameter {changed[0]} was changed after backward (by torch.nn.utils.clip_grad_norm_, "
             "or an unscale?) while TwinFlowAdam is attached: the CPU share's gradients left during backward, so "
             "the change cannot reach them and the step would be silently off. Clip with "
-            "TwinFlowAdam(max_grad_norm=...) (with Hugging Face Trainer, set max_grad_norm=0 in "
-            "TrainingArguments so it does not clip again), or do not attach()"
+            f"TwinFlowAdam(max_grad_norm=...) ({_outer_clip_setting()}), or do not attach()"
         )
+
+
+# training frameworks that clip gradients themselves (by the module their code runs in), and the setting that
+# turns their clipping off
+_CLIPPERS = {
+    "lightning": "with Lightning, leave the Trainer's gradient_clip_val unset so it does not clip again",
+    "pytorch_lightning": "with Lightning, leave the Trainer's gradient_clip_val unset so it does not clip again",
+    "transformers": "with Hugging Face Trainer, set max_grad_norm=0 in TrainingArguments so it does not clip again",
+}
+
+
+def _outer_clip_setting() -> str:
+    """How to turn off the clipping of the framework calling the step (found on the call stack), else of each."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        root = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if root in _CLIPPERS:
+            return _CLIPPERS[root]
+        frame = frame.f_back
+    return "; ".join(dict.fromkeys(_CLIPPERS.values()))
 
 
 class NoNotes(GradNotes):

@@ -1,0 +1,148 @@
+"""PyTorch Lightning and Fabric drive TwinFlowAdam as they drive torch's AdamW (CPU; Lightning 2.x).
+
+A LightningModule returns the optimizer from ``configure_optimizers`` with a per-step LR scheduler; the Trainer
+clips (``gradient_clip_val``), accumulates, saves and resumes. Attached (``TwinFlowAdam.attach`` in
+``on_fit_start``), twinflow clips itself (``max_grad_norm``) and the Trainer must not.
+"""
+
+import pytest
+import torch
+
+import twinflow
+
+L = pytest.importorskip("lightning")
+
+STEPS, BATCH, SAMPLES = 12, 8, 96  # one epoch of 12 batches
+
+
+def _data() -> torch.utils.data.DataLoader:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SAMPLES, 16, generator=gen)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=gen)) + 0.1 * torch.randn(SAMPLES, 4, generator=gen)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+class Module(L.LightningModule):
+    def __init__(self, optimizer: str, ratio: float = 0.5, attach: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 4))
+        self.optimizer, self.ratio, self.attach = optimizer, ratio, attach
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        if self.optimizer == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-2, weight_decay=0.01)
+        else:
+            opt = twinflow.TwinFlowAdam(self.parameters(), lr=3e-2, weight_decay=0.01, ratio=self.ratio,
+                                        max_grad_norm=1.0 if self.attach else None)  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.2 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        if self.attach:
+            self.optimizers().optimizer.attach(self)
+
+
+def _trainer(tmp_path, **kwargs) -> "L.Trainer":
+    settings = dict(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+    return L.Trainer(**(settings | kwargs))
+
+
+def _fit(tmp_path, module: Module, **kwargs) -> Module:
+    _trainer(tmp_path, **kwargs).fit(module, _data())
+    return module
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_fit_with_lightnings_clipping_trains_as_adamw(tmp_path, ratio: float) -> None:
+    twin = _fit(tmp_path, Module("twinflow", ratio), gradient_clip_val=1.0)
+    adamw = _fit(tmp_path, Module("adamw"), gradient_clip_val=1.0)
+    assert len(twin.losses) == STEPS and twin.losses[-1] < 0.7 * twin.losses[0]
+    assert twin.losses == pytest.approx(adamw.losses, rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+def test_fit_attached_clips_in_twinflow_as_adamw_clipped_by_lightning(tmp_path, ratio: float) -> None:
+    twin = _fit(tmp_path, Module("twinflow", ratio, attach=True))
+    adamw = _fit(tmp_path, Module("adamw"), gradient_clip_val=1.0)
+    assert twin.losses == pytest.approx(adamw.losses, rel=1e-4, abs=0)
+
+
+def test_attached_with_lightnings_clipping_is_refused_naming_its_setting(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="gradient_clip_val"):
+        _fit(tmp_path, Module("twinflow", 0.5, attach=True), gradient_clip_val=1.0)
+
+
+def test_gradient_accumulation_trains_as_adamw(tmp_path) -> None:
+    twin = _fit(tmp_path, Module("twinflow", 0.5), accumulate_grad_batches=2, max_steps=STEPS // 2)
+    adamw = _fit(tmp_path, Module("adamw"), accumulate_grad_batches=2, max_steps=STEPS // 2)
+    assert len(twin.losses) == STEPS
+    assert twin.losses == pytest.approx(adamw.losses, rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("attach", [False, True])
+def test_a_lightning_checkpoint_resumes_the_run_exactly(tmp_path, attach: bool) -> None:
+    clip = {} if attach else {"gradient_clip_val": 1.0}
+    whole = _fit(tmp_path / "whole", Module("twinflow", 0.5, attach), max_steps=2 * STEPS, **clip)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=STEPS)
+    _fit(tmp_path / "first", Module("twinflow", 0.5, attach), callbacks=[saver], enable_checkpointing=True, **clip)
+    resumed = Module("twinflow", 0.5, attach)
+    torch.manual_seed(123)  # other weights and RNG: everything must come from the checkpoint
+    _trainer(tmp_path / "second", max_steps=2 * STEPS, **clip).fit(
+        resumed, _data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    assert resumed.losses == whole.losses[STEPS:]
+
+
+def test_fabric_setup_trains_and_its_checkpoint_round_trips(tmp_path) -> None:
+    from lightning.fabric import Fabric
+
+    def run(resume_from=None, steps=STEPS) -> tuple[list[float], dict]:
+        fabric = Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 4))
+        opt = twinflow.TwinFlowAdam(model.parameters(), lr=3e-2, ratio=0.5)
+        model, opt = fabric.setup(model, opt)
+        state = {"model": model, "optimizer": opt, "step": 0}
+        if resume_from is not None:
+            fabric.load(resume_from, state)
+        losses = []
+        batches = list(_data())
+        while state["step"] < steps:
+            x, y = batches[state["step"] % len(batches)]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            state["step"] += 1
+            if state["step"] == STEPS // 2 and resume_from is None:
+                fabric.save(tmp_path / "fabric.ckpt", state)
+        return losses, state
+
+    whole, _ = run()
+    resumed, _ = run(resume_from=tmp_path / "fabric.ckpt")
+    assert whole[-1] < 0.7 * whole[0]
+    assert resumed == whole[STEPS // 2 :]
+
+
+def test_the_docs_pages_code_runs(tmp_path, monkeypatch) -> None:
+    """docs/lightning.md's Python blocks, run in order as one script (the page's examples stay true)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "lightning.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)  # Lightning may write lightning_logs/ or checkpoints/ here
+    exec(compile("\n".join(blocks), "docs/lightning.md", "exec"), {"__name__": "docs_lightning"})
