@@ -32,6 +32,7 @@ def _state(compiled: bool) -> device_compact.CompactDeviceState:
 
 def test_one_compilation_warmed_in_the_background_serves_every_batch() -> None:
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # other tests' compilations counted too
     compiled, eager = _state(compiled=True), _state(compiled=False)
     device_compact.warm_up(compiled.states, compiled.residual_step, compiled.master_step)
     assert compiled.residual_step.warming is not None  # compiling while the caller goes on
