@@ -190,6 +190,7 @@ def run(argv: list[str]) -> None:
         engine.save_checkpoint(args.checkpoint, "A")
         report["losses_after_A"] = train(engine, range(STEPS_TO_A, STEPS_TO_A + STEPS_AFTER_A), device)
         (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+        torch.distributed.barrier()  # every rank's report written before one dies (and the others are killed)
         if rank == args.kill_rank:  # its shard: halfway, by the size of its shard of A; meta.json: 64 bytes in
             shard = (args.checkpoint / "A" / f"rank{rank}.pt").stat().st_size
             die_while_writing(args.kill, {"shard": shard // 2, "meta": 64, "latest": 0}[args.kill])

@@ -235,6 +235,10 @@ def save_checkpoint(
                 tmp.unlink(missing_ok=True)
             if world > 1:
                 torch.distributed.barrier()
+                # Every shard is in place: this one belongs to the tag now, whose meta.json says whether it is
+                # complete. A rank that fails from here (another rank killed while writing meta.json or latest)
+                # leaves its shard: a tag completed by meta.json keeps every shard, an incomplete one goes whole.
+                created = [c for c in created if c != path]
             if rank == 0:
                 shards = {}
                 for r in range(world):
