@@ -222,3 +222,50 @@ def test_masters_follow_weights_written_from_outside(precision: str) -> None:
             expected = compact.decode_master(*compact.encode_master(expected)).view(p.shape)
         assert torch.equal(p.detach(), expected), name
         assert not torch.equal(expected, make().state_dict()[name])  # not the old weights either
+
+
+@pytest.mark.parametrize("attach", [False, True])
+@pytest.mark.parametrize("precision", ["int8", "int8_m24"])
+def test_state_precision_set_after_steps_converts_the_state_at_the_next_step(attach: bool, precision: str) -> None:
+    """Set after two fp32 steps, a state precision takes full effect at the next step: the state is converted
+    (as a state dict loaded into an optimizer made with that precision converts it: the same bits after), the
+    split and the speculation policy say so, and it is never reported while the state is still the old one."""
+
+    def run(switch: bool) -> tuple[list[float], list[torch.Tensor], TwinFlowAdam]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5)
+        if attach:
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(5):
+            if step == 2:
+                if switch:
+                    opt.state_precision = precision
+                    assert opt.split_summary["cpu"]["state_precision"] == "fp32"  # not converted before the step
+                else:  # the reference: the same state loaded into an optimizer made in `precision`
+                    state = opt.state_dict()
+                    if attach:
+                        opt.detach()
+                    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, state_precision=precision)
+                    opt.load_state_dict(state)
+                    if attach:
+                        opt.attach(model)
+            loss = model(torch.randn(8, 64, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if attach:
+            opt.synchronize()
+        return losses, [p.detach().clone() for p in model.parameters()], opt
+
+    switched, loaded = run(switch=True), run(switch=False)
+    opt = switched[2]
+    assert opt.state_precision == precision
+    assert opt.split_summary["cpu"]["state_precision"] == opt.split_summary["device"]["state_precision"] == precision
+    assert opt.coordinator.speculation.precision == precision
+    assert switched[0] == loaded[0]
+    for a, b in zip(switched[1], loaded[1]):
+        assert torch.equal(a, b)

@@ -117,3 +117,26 @@ def test_ratio_auto_says_what_it_chose_and_why_in_one_readable_line(caplog: pyte
     assert f"chose {opt.ratio:.2f}" in lines[0] and "because" in lines[0]
     numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", lines[0])]
     assert max(numbers) < 1e6, lines[0]  # GiB and Gparam/s, never a raw sentinel budget
+
+
+def test_a_used_up_parameter_generator_is_named_as_such() -> None:
+    model = torch.nn.Linear(4, 2)
+    params = model.parameters()
+    torch.optim.AdamW(params)  # reads the generator to its end
+    with pytest.raises(ValueError, match="already used up: model.parameters\\(\\) is a generator, read once"):
+        TwinFlowAdam(params)
+    TwinFlowAdam(model.parameters())  # a fresh generator: fine
+
+
+def test_a_parameter_in_two_groups_is_named() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    named = dict(model.named_parameters())
+    groups = [{"params": [named["0.weight"], named["0.bias"]], "param_names": ["0.weight", "0.bias"]},
+              {"params": [named["1.weight"], named["0.bias"]], "param_names": ["1.weight", "0.bias"]}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"parameter '0.bias' \(shape \(3,\), position 1 of param group 1\) is in "
+                                         r"param group 0 already"):  # fmt: skip
+        TwinFlowAdam(groups)
+    opt = TwinFlowAdam([named["0.weight"]])
+    with pytest.raises(ValueError, match=r"parameter \(shape \(3, 4\), position 0 of param group 1\) is in param "
+                                         r"group 0 already"):  # fmt: skip
+        opt.add_param_group({"params": (p for p in [named["0.weight"]])})  # a generator: read once, still named

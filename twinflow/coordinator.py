@@ -68,6 +68,7 @@ class StepCoordinator:
         s, split = self.settings, self.split
         self.ratio = ratio
         split.build(ratio, s.placement, s.chunk_bytes)
+        self.speculation.precision = split.precision  # the state's, as built: not a setting not yet applied
         if split.host is not None:
             self.host = HostSide(split.locals, split.group_of, split.host, split.device, s.num_threads,
                                  split.versions.note)  # fmt: skip
@@ -82,10 +83,12 @@ class StepCoordinator:
         return self.summary
 
     def rebuild_if_needed(self) -> bool:
-        """A new split, keeping every stepped parameter's state, once groups were added or a frozen parameter
-        unfrozen (not while a step is open, nor before ratio='auto' has built the first one)."""
+        """A new split, keeping every stepped parameter's state (converted to the precision set), once groups were
+        added, a frozen parameter unfrozen or ``state_precision`` changed (not while a step is open, nor before
+        ratio='auto' has built the first one)."""
         old, old_host = self.split, self.host
-        if self.ratio is None or old.step_open or not (self.groups_added or old.needs_rebuild()):
+        changed = self.groups_added or old.needs_rebuild() or old.precision != self.settings.state_precision
+        if self.ratio is None or old.step_open or not changed:
             return False
         self.synchronize()
         self.split, self.groups_added = SplitState(self.groups(), self.settings.state_precision), False
@@ -96,12 +99,11 @@ class StepCoordinator:
         return True
 
     def update(self, **changes: Any) -> None:
-        """New settings from the next step on (the layout ones from the next build); the speculation policy
-        follows."""
+        """New settings from the next step on (the layout ones from the next build; a new ``state_precision``
+        rebuilds the state in it at the next step); the speculation policy follows."""
         self.settings = s = dataclasses.replace(self.settings, **changes)
         policy = self.speculation
         policy.asked, policy.max_grad_norm, policy.delay_after = s.speculate, s.max_grad_norm, s.delay_after
-        policy.precision = s.state_precision
 
     def attach(self, notes: GradNotes) -> None:
         self.notes = notes

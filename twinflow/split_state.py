@@ -408,6 +408,26 @@ def sparse_gradient_message(what: str) -> str:
     )
 
 
+def check_not_grouped(groups: list[dict[str, Any]], group: dict[str, Any]) -> None:
+    """Raises, naming the parameter, where `group` (about to be added after `groups`) holds one an earlier group
+    holds (torch's own message names none). Its ``params`` become a list here, as torch would make them (a
+    generator must be read once); a set is left for torch to refuse."""
+    params = group["params"]
+    if isinstance(params, set):
+        return
+    params = group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+    earlier = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    for k, p in enumerate(params):
+        if id(p) in earlier:
+            names = group.get("param_names")
+            name = f" {names[k]!r}" if names and k < len(names) else ""
+            raise ValueError(
+                f"parameter{name} (shape {tuple(p.shape)}, position {k} of param group {len(groups)}) is in param "
+                f"group {earlier[id(p)]} already: each parameter may be in one group only (torch: 'some parameters "
+                "appear in more than one parameter group'); leave it out of one of them"
+            )
+
+
 def check_params(locals_: list[torch.Tensor], names: list[str | None], group_of: list[int]) -> None:
     """Raises, naming the first parameter twinflow cannot step (its dtype, or not contiguous), with the fix."""
     for i, p in enumerate(locals_):
