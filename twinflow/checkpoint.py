@@ -235,15 +235,10 @@ def save_checkpoint(
                 tmp.unlink(missing_ok=True)
             if world > 1:
                 torch.distributed.barrier()
-                # Every shard is in place: this one belongs to the tag now, whose meta.json says whether it is
-                # complete. A rank that fails from here (another rank killed while writing meta.json or latest)
-                # leaves its shard: a tag completed by meta.json keeps every shard, an incomplete one goes whole.
-                created = [c for c in created if c != path]
+                created = [c for c in created if c != path]  # every shard in place: meta.json decides the tag
             if rank == 0:
-                shards = {}
-                for r in range(world):
-                    p = folder / f"rank{r}.pt"
-                    shards[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+                paths = [folder / f"rank{r}.pt" for r in range(world)]
+                shards = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in paths}
                 info = {"world_size": world, "twinflow_version": __version__, "shards": shards, "meta": meta}
                 meta_path = folder / "meta.json"
                 created.append(meta_path)

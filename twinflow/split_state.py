@@ -408,6 +408,21 @@ def sparse_gradient_message(what: str) -> str:
     )
 
 
+def read_params(params: Any) -> Any:
+    """An optimizer's `params` as given, an iterator read into a list: one already used up (model.parameters()
+    is a generator, read once) is named as such, where torch would say only 'empty parameter list'."""
+    if isinstance(params, list | tuple) or iter(params) is not params:
+        return params
+    params = list(params)
+    if not params:
+        raise ValueError(
+            "TwinFlowAdam got an empty parameter list from an iterator that was already used up: "
+            "model.parameters() is a generator, read once (an earlier optimizer or a list() may have "
+            "consumed it); call model.parameters() again, or keep params = list(model.parameters())"
+        )
+    return params
+
+
 def check_not_grouped(groups: list[dict[str, Any]], group: dict[str, Any]) -> None:
     """Raises, naming the parameter, where `group` (about to be added after `groups`) holds one an earlier group
     holds (torch's own message names none). Its ``params`` become a list here, as torch would make them (a

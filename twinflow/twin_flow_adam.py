@@ -27,7 +27,7 @@ from twinflow.host_modes import check_delay_after
 from twinflow.notice import notice_on_first_rank
 from twinflow.overlap import Attachment, resolve
 from twinflow.partition import check_placement, check_ratio
-from twinflow.split_state import ENTRY_KEYS, check_not_grouped, validated
+from twinflow.split_state import ENTRY_KEYS, check_not_grouped, read_params, validated
 from twinflow.staging import check_chunk_bytes
 from twinflow.state_map import ParamState, StateMap
 from twinflow.step_scale import check_max_grad_norm
@@ -109,15 +109,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         check_delay_after(delay_after)
         settings = Settings(check_placement(placement), chunk_bytes, num_threads, max_grad_norm, delay_after,
                             check_state_precision(state_precision), bool(speculate), bool(weights_first))  # fmt: skip
-        if not isinstance(params, list | tuple) and iter(params) is params:  # a generator: it can be read once
-            params = list(params)
-            if not params:
-                raise ValueError(
-                    "TwinFlowAdam got an empty parameter list from an iterator that was already used up: "
-                    "model.parameters() is a generator, read once (an earlier optimizer or a list() may have "
-                    "consumed it); call model.parameters() again, or keep params = list(model.parameters())"
-                )
-        super().__init__(params, defaults)
+        super().__init__(read_params(params), defaults)
         self.memory_margin, self.memory_budget = memory_margin, memory_budget
         # The coordinator reaches the optimizer only weakly: a dropped optimizer is freed (its worker closed) at once.
         this = weakref.ref(self)
@@ -138,8 +130,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             ops.load()  # 'auto' probes the kernel at the first step: build it now, outside any timed step
 
     def split_built(self) -> None:
-        """After every build of the split (construction, ratio='auto', a rebuild): the state map, a pending
-        load and the hooks follow the new split."""
+        """After every build of the split (at first, ratio='auto', a rebuild): the state map, load, hooks follow."""
         self.split_summary = self.coordinator.summary | {"ratio_requested": "auto" if self.auto_ratio else self.ratio}
         self._states.bind(self.coordinator.split)
         self.apply_pending_state()  # a state dict loaded before ratio='auto' built the state
@@ -147,8 +138,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
             self.attachment.install()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch.optim's; the new parameters join the split at the next step (the state so far is kept).
-        A parameter already in a group is refused by name (torch's own message names none)."""
+        """As torch.optim's (a parameter in two groups refused by name); it joins the split at the next step."""
         check_not_grouped(self.param_groups, param_group)
         super().add_param_group(param_group)
         if hasattr(self, "coordinator"):  # torch's __init__ adds the first groups before the coordinator exists
