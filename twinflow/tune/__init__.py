@@ -180,6 +180,13 @@ def _on_device(inputs: Inputs, row: dict) -> bool:
     return fits_device(inputs, row["peak_bytes"])
 
 
+def _fitting_ratios(inputs: Inputs) -> list[float]:
+    """The ratios of a 0.01 grid whose predicted peak and host memory fit both budgets."""
+    ratios = [k / 100 for k in range(101)]
+    return [r for r in ratios if predict_host(inputs, r) <= inputs.host_budget_bytes
+            and fits_device(inputs, predict_peak(inputs, r))]  # fmt: skip
+
+
 def _binding(inputs: Inputs, table: list[dict], chosen: int, best: int, any_fits: bool) -> str:
     """What kept the choice (table[chosen]; table[best] the fastest fitting) from a ratio predicted faster: device
     memory (a smaller ratio), host memory (a larger ratio than the fastest that fits), or nothing ("time": the
@@ -304,8 +311,7 @@ def _more_gpus(inputs: Inputs) -> str:
                         first_peak_bytes=int(inputs.first_peak_bytes - shrink * model_bytes),
                         at_step_bytes=int(inputs.at_step_bytes - shrink * model_bytes),
                         host_budget_bytes=inputs.host_budget_bytes / factor)  # fmt: skip
-        fits = [k / 100 for k in range(101) if predict_host(other, k / 100) <= other.host_budget_bytes
-                and _on_device(other, {"peak_bytes": predict_peak(other, k / 100)})]  # fmt: skip
+        fits = _fitting_ratios(other)
         if fits:
             gpus = inputs.world_size * factor
             how = "" if inputs.sharded else " with the model sharded (zero_optimization stage 3)"
@@ -322,8 +328,7 @@ def _other_precision(inputs: Inputs, precision: str, staging: float, delayed: bo
     by_dtype = {getattr(torch, name): n for name, n in (inputs.elements_by_dtype or {}).items()}
     device = device_bytes(by_dtype, precision) if by_dtype else inputs.state_bytes_per_element
     other = replace(inputs, state_bytes_per_element=device, host_bytes_per_element=per, state_precision=precision)
-    fits = [k / 100 for k in range(101) if predict_host(other, k / 100) <= other.host_budget_bytes
-            and _on_device(other, {"peak_bytes": predict_peak(other, k / 100)})]  # fmt: skip
+    fits = _fitting_ratios(other)
     where = f"ratio {fits[0]:.2f} to {fits[-1]:.2f} fits" if fits else "no ratio fits either"
     return (f"state_precision={precision!r} ({device:.1f} bytes of device state and {per:.1f} of host memory a "
             f"parameter: {where})")  # fmt: skip
