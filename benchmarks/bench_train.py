@@ -8,7 +8,8 @@ step runs on the CPU):
   amp           fp32 parameters, bf16 autocast, torch fused AdamW; no offload
   bf16          bf16 parameters, torch fused AdamW, no fp32 master; no offload
   twinflow:R    twinflow.initialize, bf16 with fp32 masters, ratio R (one GPU:
-                TwinFlowAdam attached to the model; several: FSDP2, stage 3)
+                TwinFlowAdam attached to the model; several: FSDP2, stage 3);
+                R = auto: twinflow plans it (the row's ratio is the plan)
   twinflow-delay:R  the same with offload_delay_after 1: the CPU share's
                 update lands one step late (not exact)
   twinflow-spec:R   the same with offload_speculate (exact): under --clip
@@ -187,6 +188,8 @@ def merge(parts: list[dict]) -> dict:
             "weights_first_late_steps",
         ):  # rank 0's
             row[key] = first.get(key)
+    if row["ratio"] == "auto":  # the row's ratio is the one twinflow planned
+        row["ratio_requested"], row["ratio"] = row["ratio"], first["ratio_planned"]
     row["status"] = "ok"
     return row
 

@@ -24,8 +24,9 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
            "full_warm_up_rounds": 0, "overlap_step": True}  # fmt: skip
 
 
-def parse_system(text: str) -> tuple[str, float | None]:
-    """'twinflow:0.4' -> ('twinflow', 0.4); checks the name and the ratio, naming what is expected."""
+def parse_system(text: str) -> tuple[str, float | str | None]:
+    """'twinflow:0.4' -> ('twinflow', 0.4), 'twinflow:auto' -> ('twinflow', 'auto'); checks the name and the ratio,
+    naming what is expected."""
     name, _, ratio = text.partition(":")
     if name not in SYSTEMS:
         raise SystemExit(f"system {text!r}: unknown name {name!r}; expected one of {', '.join(SYSTEMS)}")
@@ -35,12 +36,15 @@ def parse_system(text: str) -> tuple[str, float | None]:
         raise SystemExit(f"system {text!r}: expected {form}")
     if not ratio:
         return name, 1.0 if name in ZERO_STAGE_2 else None
+    if ratio == "auto" and name in TWINFLOW:  # planned by twinflow at the first step (the row records the plan)
+        return name, "auto"
     try:
         value = float(ratio)
     except ValueError:
         value = -1.0
     if not 0.0 <= value <= 1.0:
-        raise SystemExit(f"system {text!r}: ratio {ratio!r} is not a number in [0, 1]")
+        auto = " (or 'auto' for twinflow's systems)" if name in TWINFLOW else ""
+        raise SystemExit(f"system {text!r}: ratio {ratio!r} is not a number in [0, 1]{auto}")
     return name, value
 
 
@@ -68,7 +72,7 @@ def deepspeed_config(name: str, ratio: float, micro: int, clip: float) -> dict:
     }
 
 
-def twinflow_config(ratio: float, micro: int, world: int, placement: str, clip: float, mode: str = "") -> dict:
+def twinflow_config(ratio: float | str, micro: int, world: int, placement: str, clip: float, mode: str = "") -> dict:
     """twinflow.initialize's config; `mode` "delay", "spec" or "wf" for twinflow-delay, -spec and -wf, with "m24-"
     before it (or alone) for int8_m24 state on both sides."""
     precision, _, mode = mode.rpartition("m24")
@@ -156,7 +160,8 @@ def build(name: str, ratio: float | None, args, device: str, world: int):
 
         def report() -> dict:
             host = coordinator.host
-            return {"attached": opt.attached, "released_grad_gib": opt.released_grad_bytes / 2**30,
+            return {"attached": opt.attached, "ratio_planned": opt.ratio,
+                    "released_grad_gib": opt.released_grad_bytes / 2**30,
                     "rollbacks": host.speculative.rollbacks if host.chunk_count else 0,
                     "steps_not_speculated": coordinator.speculation.skipped, **cpu_seconds(host)}  # fmt: skip
     else:  # DeepSpeed

@@ -24,7 +24,8 @@ BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py")]
 @pytest.mark.parametrize("text, expected", [
     ("amp", ("amp", None)), ("twinflow:0.4", ("twinflow", 0.4)), ("ds-z3:1", ("ds-z3", 1.0)),
     ("ds-z3:0", ("ds-z3", 0.0)), ("ds-z2", ("ds-z2", 1.0)), ("ds-super:0.4", ("ds-super", 0.4)),
-    ("ds-zenflow", ("ds-zenflow", 1.0)),
+    ("ds-zenflow", ("ds-zenflow", 1.0)), ("twinflow:auto", ("twinflow", "auto")),
+    ("twinflow-m24-delay:auto", ("twinflow-m24-delay", "auto")),
 ])  # fmt: skip
 def test_system_names_parse(text: str, expected: tuple) -> None:
     assert parse_system(text) == expected
@@ -33,7 +34,8 @@ def test_system_names_parse(text: str, expected: tuple) -> None:
 @pytest.mark.parametrize("text, message", [
     ("adam", "unknown name 'adam'"), ("twinflow", r"expected twinflow:R with R in \[0, 1\]"),
     ("amp:0.5", "expected amp"), ("ds-z3:1.5", "ratio '1.5' is not a number in"), ("ds-z3:x", "ratio 'x'"),
-    ("ds-zenflow:0.4", "expected ds-zenflow$"),
+    ("ds-zenflow:0.4", "expected ds-zenflow$"), ("ds-z3:auto", r"ratio 'auto' is not a number in \[0, 1\]$"),
+    ("twinflow:x", r"not a number in \[0, 1\] \(or 'auto' for twinflow's systems\)"),
 ])  # fmt: skip
 def test_bad_system_names_are_refused_with_the_expected_form(text: str, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
@@ -54,12 +56,15 @@ def test_systems_run_side_by_side_and_a_failure_does_not_stop_the_run(tmp_path: 
     # torchao's optimizer needs CUDA (or torchao is missing): that system fails, the run goes on
     cmd = [*BENCH, "--model", "opt-tiny", "--seq-len", "32",
            "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
-           "--systems", "amp", "torchao", "twinflow:0.4", "--steps-for", "twinflow:0.4=3,1",
+           "--systems", "amp", "torchao", "twinflow:0.4", "twinflow:auto",
+           "--steps-for", "twinflow:0.4=3,1", "twinflow:auto=1,1",
            "--clip", "1.0", "--out", str(out)]  # fmt: skip
     printed = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=600).stdout
     result = json.loads(out.read_text())
     rows = {r["system"]: r for r in result["rows"]}
-    assert list(rows) == ["amp", "torchao", "twinflow:0.4"]
+    assert list(rows) == ["amp", "torchao", "twinflow:0.4", "twinflow:auto"]
+    planned = rows["twinflow:auto"]  # the row carries the ratio twinflow planned, and what was asked
+    assert planned["status"] == "ok" and planned["ratio_requested"] == "auto" and 0 <= planned["ratio"] <= 1
     assert rows["torchao"]["status"] != "ok" and rows["torchao"]["output_tail"]
     for name, steps in (("amp", 2), ("twinflow:0.4", 3)):
         row = rows[name]

@@ -135,7 +135,7 @@ def test_train_opt_shows_a_cpus_tflops_with_its_digits(flops_per_second: float) 
     assert float(shown) > 0 and abs(float(shown) - flops_per_second / 1e12) <= 0.005 * flops_per_second / 1e12
 
 
-@pytest.mark.parametrize("script, nproc", [("run_opt13b.sh", 1), ("run_opt30b.sh", 2)])
+@pytest.mark.parametrize("script, nproc", [("run_opt13b.sh", 1), ("run_opt13b.sh", 2), ("run_opt30b.sh", 2)])
 def test_the_opt_run_scripts_train_a_small_shape(tmp_path: Path, script: str, nproc: int) -> None:
     """The scripts' wiring (config, torchrun, threads), on opt-tiny so that a CPU machine can run them."""
     summary_path = tmp_path / "summary.json"

@@ -108,3 +108,23 @@ def test_a_deep_copy_of_an_entry_is_a_plain_dict_apart_from_the_optimizer(ratio:
         assert torch.equal(value, opt.state[p][key])
     copied["exp_avg"].fill_(7.0)  # the copy is its own: the optimizer's state does not change
     assert not torch.equal(opt.state[p]["exp_avg"], copied["exp_avg"])
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_moving_the_state_while_it_is_offloaded_keeps_it_out_and_a_change_is_refused(ratio: float) -> None:
+    """A framework's teardown moves the state after a loop that ended with offload_states(): the values written
+    back are the state's own, so nothing changes and it stays out; a different value still waits for reload."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=ratio)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items() if isinstance(v, torch.Tensor)}
+    opt.offload_states()
+    _lightning_to_device(opt, "cpu")
+    with pytest.raises(RuntimeError, match=r"offloaded \(offload_states\(\)\); call reload_states\(\) first"):
+        opt.state[model.weight]["exp_avg"] = before["exp_avg"] + 1.0
+    opt.reload_states()
+    after = opt.state[model.weight]
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key

@@ -146,3 +146,103 @@ def test_the_docs_pages_code_runs(tmp_path, monkeypatch) -> None:
     assert len(blocks) == 2
     monkeypatch.chdir(tmp_path)  # Lightning may write lightning_logs/ or checkpoints/ here
     exec(compile("\n".join(blocks), "docs/lightning.md", "exec"), {"__name__": "docs_lightning"})
+
+
+# ----------------------------------------------------------------------------- precisions and strategies
+
+
+def _on(accelerator: str) -> object:
+    """`accelerator` as a test parameter: the CPU everywhere; CUDA marked `cuda`."""
+    return "cpu" if accelerator == "cpu" else pytest.param("cuda", marks=pytest.mark.cuda)
+
+
+@pytest.mark.parametrize("accelerator", [_on("cpu"), _on("cuda")])
+def test_bf16_mixed_trains_as_adamw(tmp_path, accelerator: str) -> None:
+    """fp32 parameters under bf16 autocast: the same gradients for both optimizers, fp32 updates on both sides."""
+    settings = dict(accelerator=accelerator, precision="bf16-mixed", gradient_clip_val=1.0)
+    twin = _fit(tmp_path, Module("twinflow", 0.5), **settings)
+    adamw = _fit(tmp_path, Module("adamw"), **settings)
+    assert len(twin.losses) == STEPS and twin.losses[-1] < 0.7 * twin.losses[0]
+    assert twin.losses == pytest.approx(adamw.losses, rel=1e-4, abs=0)
+
+
+@pytest.mark.parametrize("accelerator", [_on("cpu"), _on("cuda")])
+def test_bf16_true_keeps_fp32_masters_on_both_sides(tmp_path, accelerator: str) -> None:
+    """bf16 parameters: TwinFlowAdam steps fp32 masters, on the GPU side (ratio 0) and split (0.5) alike, and
+    follows AdamW on fp32 weights closer than AdamW stepping the bf16 weights themselves does."""
+    settings = dict(accelerator=accelerator, precision="bf16-true", gradient_clip_val=1.0)
+    split = _fit(tmp_path, Module("twinflow", 0.5), **settings)
+    device_only = _fit(tmp_path, Module("twinflow", 0.0), **settings)
+    in_bf16 = _fit(tmp_path, Module("adamw"), **settings)
+    fp32 = _fit(tmp_path, Module("adamw"), accelerator=accelerator, gradient_clip_val=1.0)
+    assert split.losses[-1] < 0.7 * split.losses[0]
+    assert split.losses == pytest.approx(device_only.losses, rel=2e-2, abs=0)
+
+    def gap(run: Module) -> float:
+        return sum(abs(a - b) for a, b in zip(run.losses, fp32.losses))
+
+    assert gap(split) < gap(in_bf16)
+
+
+def _strategy_fit(tmp_path, optimizer: str, strategy: str, accelerator: str, clip: float) -> list[list[float]]:
+    """Every rank's losses from tests/lightning_worker.py, two ranks under torchrun."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / f"{optimizer}-{strategy}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "tests" / "lightning_worker.py"), str(out), "--optimizer", optimizer, "--strategy", strategy,
+           "--accelerator", accelerator, "--clip", str(clip)]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{rank}").read_text())["losses"] for rank in range(2)]
+
+
+def _two_gpus(*values: object) -> object:
+    enough = torch.cuda.device_count() >= 2
+    return pytest.param(*values, marks=[pytest.mark.multigpu, pytest.mark.skipif(not enough, reason="needs 2 GPUs")])
+
+
+@pytest.mark.parametrize("strategy, accelerator, clip", [
+    ("ddp", "cpu", 1.0), _two_gpus("ddp", "cuda", 1.0), _two_gpus("fsdp", "cuda", 0.0),
+])  # fmt: skip
+def test_two_ranks_under_lightnings_strategies_train_as_adamw(tmp_path, strategy: str, accelerator: str,
+                                                               clip: float) -> None:  # fmt: skip
+    twin = _strategy_fit(tmp_path, "twinflow", strategy, accelerator, clip)
+    adamw = _strategy_fit(tmp_path, "adamw", strategy, accelerator, clip)
+    for rank in range(2):
+        assert len(twin[rank]) == STEPS and twin[rank][-1] < 0.8 * twin[rank][0]
+        assert twin[rank] == pytest.approx(adamw[rank], rel=1e-4, abs=0)
+    assert twin[0] != twin[1]  # each rank trained on its own share of the batches
+
+
+class _OffloadBetweenSteps(L.Callback):
+    """An RL-style loop inside Lightning: the optimizer's state leaves the GPU after every step (another phase would
+    use the memory) and comes back before the next."""
+
+    def __init__(self) -> None:
+        self.moved: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.moved.append(trainer.optimizers[0].offload_states())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if self.moved:
+            assert trainer.optimizers[0].reload_states() == self.moved[-1]
+
+
+@pytest.mark.parametrize("accelerator", [_on("cpu"), _on("cuda")])
+def test_offload_states_between_lightning_steps_changes_nothing(tmp_path, accelerator: str) -> None:
+    offloading = _OffloadBetweenSteps()
+    moved = _fit(tmp_path, Module("twinflow", 0.5), accelerator=accelerator, gradient_clip_val=1.0,
+                 callbacks=[offloading])  # fmt: skip
+    kept = _fit(tmp_path, Module("twinflow", 0.5), accelerator=accelerator, gradient_clip_val=1.0)
+    assert len(offloading.moved) == STEPS
+    assert all(n > 0 for n in offloading.moved) or accelerator == "cpu"  # on the CPU there is nothing to move
+    assert moved.losses == kept.losses

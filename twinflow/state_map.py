@@ -220,6 +220,8 @@ class StateMap(dict):
 
     def assign(self, param: torch.Tensor, key: str, value: Any) -> None:
         """``opt.state[param][key] = value`` for a key twinflow owns: checked, then written into the buffers."""
+        if self.split is not None and self.split.offloaded and self.unchanged(param, key, value):
+            return  # a framework moving the state writes back what it read: nothing changes, the state stays out
         split, i = self._writable(param)
         if key == "step":
             steps = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
@@ -234,6 +236,14 @@ class StateMap(dict):
         current = self.seen == split.generation
         split.put(i, {key: value}, (key,))
         self.written(split, i, current)
+
+    def unchanged(self, param: torch.Tensor, key: str, value: Any) -> bool:
+        """Whether `value` is what ``opt.state[param][key]`` holds now: equal values, on any device."""
+        current = dict.get(dict.get(self, param, {}), key)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            same = current.dtype == value.dtype and current.shape == value.shape
+            return same and torch.equal(value.detach().to(current.device), current)
+        return current is not None and not isinstance(value, torch.Tensor) and value == current
 
     def check_tensor(self, param: torch.Tensor, key: str, value: Any) -> None:
         """Raises, naming the parameter, the key and what is expected, unless `value` can be `param`'s `key`."""
