@@ -16,11 +16,12 @@ rank only, so launches of the same world size train alike. Its modes:
 - ``resume``: loads the checkpoint directory's latest, trains the steps that followed A and saves tag C.
 
 ``serve`` imports torch and twinflow once, then answers requests on stdin, one JSON line each: ``{"world":
-n, "argv": [...], "logs": [a file per rank]}``. For each it forks n fresh ranks (RANK, WORLD_SIZE,
+n, "argv": [...], "logs": [a file per rank]}``. For each it forks (NCCL: spawns) n fresh ranks (RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE set; output to the rank's log) that run ``argv`` (with --rendezvous, a file
 for ``init_process_group``), waits for them (:func:`wait_for_exits`) and answers ``{"codes": [...], "pids":
-[...]}``: the exit codes, -9 for SIGKILL. Forking from a process that has only imported is safe (no CUDA
-context, no parallel region yet) and saves each rank the seconds of its imports.
+[...]}``: the exit codes, -9 for SIGKILL. Forking from a process that has only imported (no parallel region
+yet) saves each rank the seconds of its imports; NCCL ranks are spawned instead, since the imports may have
+touched CUDA, which a forked child cannot use again.
 """
 
 from __future__ import annotations
@@ -241,8 +242,22 @@ def wait_for_exits(pids: list[int], stop: int = signal.SIGKILL) -> list[int]:
             os.close(fd)
 
 
+def spawn_rank(rank: int, world: int, log: str, argv: list[str]) -> int:
+    """A fresh interpreter running rank `rank` of `world` (`argv`), its output in `log`; its pid. For NCCL: a
+    process forked from one whose imports touched CUDA cannot use CUDA again."""
+    env = os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(world)}  # fmt: skip
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    files = [(os.POSIX_SPAWN_OPEN, 1, log, flags, 0o644), (os.POSIX_SPAWN_DUP2, 1, 2),
+             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]  # fmt: skip
+    return os.posix_spawn(sys.executable, [sys.executable, __file__, *argv], env, file_actions=files)
+
+
 def fork_rank(rank: int, world: int, log: str, argv: list[str]) -> int:
-    """A forked process running rank `rank` of `world` (`argv`), its output in `log`; its pid."""
+    """A forked process running rank `rank` of `world` (`argv`), its output in `log`; its pid. NCCL ranks are
+    spawned afresh instead (:func:`spawn_rank`)."""
+    if "nccl" in argv:
+        return spawn_rank(rank, world, log, argv)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
