@@ -19,10 +19,13 @@ bench() {  # model out-name timeout-per-system systems...
 }
 case $part in
   tests)
-    python -m pytest -q -p no:cacheprovider -m "cuda or multigpu" tests/test_lightning.py 2>&1 \
-      | tail -15 | tee "$out/lightning_gpu_tests_$kind.log"
-    python -m pytest -q -p no:cacheprovider -m multigpu tests/test_multigpu.py tests/test_launch.py 2>&1 \
-      | tail -25 | tee "$out/multigpu_tests_${kind}_final.log"
+    # whole logs, each test named as it starts (-v): a test that aborts the process is known by its name
+    python -m pytest -v -p no:cacheprovider -m "cuda or multigpu" tests/test_lightning.py \
+      > "$out/lightning_gpu_tests_$kind.log" 2>&1
+    tail -15 "$out/lightning_gpu_tests_$kind.log"
+    python -m pytest -v -p no:cacheprovider -m multigpu tests/test_multigpu.py tests/test_launch.py \
+      > "$out/multigpu_tests_${kind}_final.log" 2>&1
+    tail -25 "$out/multigpu_tests_${kind}_final.log"
     ;;
   opt30b)
     bench opt-30b "bench_train_opt-30b_x4.json" "${LIMIT:-190}" --steps 4 --warmup 2 \
