@@ -50,6 +50,8 @@ setup(
         # accelerate: transformers.Trainer refuses to run without it
         "examples": ["tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],
         "compare": ["deepspeed"],
+        # the documentation site (mkdocs.yml): `mkdocs build --strict`, as CI runs it
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

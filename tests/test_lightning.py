@@ -136,18 +136,6 @@ def test_fabric_setup_trains_and_its_checkpoint_round_trips(tmp_path) -> None:
     assert resumed == whole[STEPS // 2 :]
 
 
-def test_the_docs_pages_code_runs(tmp_path, monkeypatch) -> None:
-    """docs/lightning.md's Python blocks, run in order as one script (the page's examples stay true)."""
-    import re
-    from pathlib import Path
-
-    page = (Path(__file__).resolve().parent.parent / "docs" / "lightning.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert len(blocks) == 2
-    monkeypatch.chdir(tmp_path)  # Lightning may write lightning_logs/ or checkpoints/ here
-    exec(compile("\n".join(blocks), "docs/lightning.md", "exec"), {"__name__": "docs_lightning"})
-
-
 # ----------------------------------------------------------------------------- precisions and strategies
 
 
