@@ -1,4 +1,4 @@
-"""The device side's compact Adam step (twinflow.device_compact.CompactDeviceState.step, bf16 parameters under
+"""The device side's compact Adam step (twinflow.device.device_compact.CompactDeviceState.step, bf16 parameters under
 "int8_m24": the weight, a residual byte and 8-bit moments) on the GPU: Gparam/s, eager and as twinflow runs it
 (torch.compile), against the HBM roofline of the bytes it must move; and whether the compiled step keeps the
 eager step's bits (which are the CPU kernel's).
@@ -18,8 +18,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
-from twinflow import device_compact  # noqa: E402
-from twinflow.partition import Segment  # noqa: E402
+from twinflow.base.partition import Segment  # noqa: E402
+from twinflow.device import device_compact  # noqa: E402
 
 # bytes per element a fused step must move: weight 2 + residual 1 + codes 2 read and written, the bf16 gradient read
 BYTES_PER_ELEMENT = 2 * (2 + 1 + 2) + 2

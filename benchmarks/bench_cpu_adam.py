@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow import ops  # noqa: E402
+from twinflow.host import ops  # noqa: E402
 
 BYTES_PER_PARAM = 28
 # master r/w, both moments' codes r/w, gradient, copy, both scales r/w per block of 256
@@ -70,7 +70,7 @@ def q8_fn(n: int, threads: int, gen: torch.Generator, out: torch.Tensor, probe: 
     """`spread`: gradient magnitudes spread over 2^-spread..1, so that moments fill the codes' whole range
     (benchmarks/q8_spread.py); `m24`: 24-bit masters."""
     from benchmarks.q8_spread import spread_grad
-    from twinflow import compact
+    from twinflow.precision import compact
 
     p = torch.randn(n, generator=gen)
     g = spread_grad(n, gen, spread) if spread else torch.randn(n, generator=gen).bfloat16()

@@ -41,19 +41,19 @@ from twinflow.models import build_opt  # noqa: E402
 # timed, and every other place that holds the same function object is patched too
 PHASES = {
     "fully_shard": [("torch.distributed.fsdp", "fully_shard")],
-    "TwinFlowAdam.__init__": [("twinflow.twin_flow_adam", "TwinFlowAdam.__init__")],
-    "attach": [("twinflow.twin_flow_adam", "TwinFlowAdam.attach")],
-    "kernel load": [("twinflow.ops", "load")],
-    "split build": [("twinflow.split_state", "SplitState.build")],
-    "host state alloc": [("twinflow.host_state", "HostState.__init__")],
-    "host state write": [("twinflow.host_state", "HostState.write")],
-    "master24 copy": [("twinflow.compact", "Master24.copy_")],
-    "device state (fp32)": [("twinflow.device_side", "DeviceState.__init__")],
-    "device state (compact)": [("twinflow.device_compact", "CompactDeviceState.__init__")],
-    "pinned buffers": [("twinflow.transfer", "pinned_buffers"), ("twinflow.staging", "pinned_buffers")],
+    "TwinFlowAdam.__init__": [("twinflow.optim.twin_flow_adam", "TwinFlowAdam.__init__")],
+    "attach": [("twinflow.optim.twin_flow_adam", "TwinFlowAdam.attach")],
+    "kernel load": [("twinflow.host.ops", "load")],
+    "split build": [("twinflow.step.split_state", "SplitState.build")],
+    "host state alloc": [("twinflow.host.host_state", "HostState.__init__")],
+    "host state write": [("twinflow.host.host_state", "HostState.write")],
+    "master24 copy": [("twinflow.precision.compact", "Master24.copy_")],
+    "device state (fp32)": [("twinflow.device.device_side", "DeviceState.__init__")],
+    "device state (compact)": [("twinflow.device.device_compact", "CompactDeviceState.__init__")],
+    "pinned buffers": [("twinflow.base.transfer", "pinned_buffers"), ("twinflow.host.staging", "pinned_buffers")],
     "ratio auto decide": [("twinflow.tune", "IterationProbe.decide")],
-    "compact device step": [("twinflow.device_compact", "Compiled.__call__")],
-    "device step (fp32)": [("twinflow.device_side", "DeviceState.step")],
+    "compact device step": [("twinflow.device.device_compact", "Compiled.__call__")],
+    "device step (fp32)": [("twinflow.device.device_side", "DeviceState.step")],
 }
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import machine_info, write_json  # noqa: E402
 from twinflow import TwinFlowAdam  # noqa: E402
 from twinflow.models import build_opt  # noqa: E402
-from twinflow.tune import predict_time  # noqa: E402
+from twinflow.plan import predict_time  # noqa: E402
 
 GIB = 1 << 30
 
@@ -335,7 +335,7 @@ def main() -> None:
                 e["over_amp"] = e["step_s"] / amp
     auto = result["systems"].get("twinflow r=auto last overlap", {})
     if "auto_decision" in auto:
-        from twinflow.tune import Inputs
+        from twinflow.plan import Inputs
 
         inputs = Inputs(**auto["auto_decision"]["inputs"])
         for name, e in result["systems"].items():

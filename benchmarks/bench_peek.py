@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow import compact, ops  # noqa: E402
+from twinflow.host import ops  # noqa: E402
+from twinflow.precision import compact
 
 # bytes a parameter per pass: masters (4, or 3 for 24 bits), two moments (4 + 4, or 1 + 1) and the gradient (2)
 # read; the single pass writes the state and the copy (2), the peek the copy, the commit the state

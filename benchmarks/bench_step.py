@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow import TwinFlowAdam, ops  # noqa: E402
+from twinflow import TwinFlowAdam  # noqa: E402
+from twinflow.host import ops
 
 
 def opt_shapes(layers: int = 32, hidden: int = 2560, ffn: int = 10240, vocab: int = 50272, positions: int = 2050):

@@ -9,7 +9,7 @@ Measures, each as the median of --rounds copies of --gib GiB (GB/s = 1e9 bytes/s
   cpu_then_pin_memory        ``gpu_tensor.cpu().pin_memory()``: a pageable copy, then a second one to pin it
   twinflow_chunked           twinflow's path: the tensor in --chunk-mib chunks, each downloaded into its own
                              pinned buffer on the download stream while the previous chunk goes back up on
-                             the upload stream (twinflow.transfer.Streams and pinned_buffers); bytes of both
+                             the upload stream (twinflow.base.transfer.Streams and pinned_buffers); bytes of both
                              directions counted, so compare it with both_directions_pinned
 
 Needs a CUDA device. Writes JSON (--out, else $OUT/bench_transfer.json, else benchmarks/results/).
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info, write_json  # noqa: E402
-from twinflow.transfer import Streams, pinned_buffers  # noqa: E402
+from twinflow.base.transfer import Streams, pinned_buffers  # noqa: E402
 
 
 def timed(fn, rounds: int) -> float:

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
-from twinflow import compact, compact_step, weight_master  # noqa: E402
+from twinflow.precision import compact, compact_step, weight_master  # noqa: E402
 
 F32 = torch.float32
 

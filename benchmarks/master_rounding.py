@@ -1,5 +1,5 @@
 """How far the weight the forward sees is from its 24-bit master: truncation (the CPU form's top half) against
-the device form's nearest weight (twinflow.weight_master), in bfloat16 steps, for normal weights.
+the device form's nearest weight (twinflow.precision.weight_master), in bfloat16 steps, for normal weights.
 
     python benchmarks/master_rounding.py --std 0.02 --count 4194304
 """
@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
-from twinflow import compact, weight_master  # noqa: E402
+from twinflow.precision import compact, weight_master  # noqa: E402
 
 
 def gaps(weight: torch.Tensor, master: torch.Tensor) -> dict:

@@ -7,7 +7,7 @@ same gradients with the moments stored after every step as:
 - float32 (twinflow's exact mode);
 - bfloat16 rounded to the nearest (plain bf16 moments);
 - bfloat16 rounded stochastically (random bits added below the kept ones);
-- the 8-bit codes of ``state_precision="int8"`` (twinflow.compact, with the
+- the 8-bit codes of ``state_precision="int8"`` (twinflow.precision.compact, with the
   kernel's own rounding noise);
 and float64 as the reference. Gradients have per-element scales spread over
 2^-16..1 and drifting by up to 2x either way over a few hundred steps (so
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_json  # noqa: E402
-from twinflow import compact  # noqa: E402
+from twinflow.precision import compact  # noqa: E402
 
 F32 = torch.float32
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8

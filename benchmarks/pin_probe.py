@@ -6,7 +6,7 @@
 
 Prints one JSON line: the setting, the seconds to allocate GIB GiB pinned, and a device-to-host copy's GB/s into
 it (the memory is as fast either way). twinflow's offload buffer is made the second way
-(twinflow.offload_states.host_buffer): results/pin_probe_h100.txt.
+(twinflow.optim.offload_states.host_buffer): results/pin_probe_h100.txt.
 """
 
 import json

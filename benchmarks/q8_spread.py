@@ -9,7 +9,7 @@ tokens); `spread` gradients imitate that with magnitudes spread evenly over
 2^-16..1 (log scale), which puts about one exp_avg in six in the codes' bottom
 binade (94% of 16-lane vectors hold one). Each case steps the same tensors
 repeatedly, so its moments settle to its gradients' spread. Uses only the
-public op and twinflow.compact.fresh, so one copy of this file times any
+public op and twinflow.precision.compact.fresh, so one copy of this file times any
 version of the kernel (for A/B runs). Writes JSON.
 """
 
@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import interleaved_medians, machine_info  # noqa: E402
-from twinflow import compact, ops  # noqa: E402
+from twinflow.host import ops  # noqa: E402
+from twinflow.precision import compact
 
 
 def spread_grad(n: int, gen: torch.Generator, bits: float) -> torch.Tensor:

@@ -8,7 +8,12 @@ old=$1 out=$2 config=${3:-benchmarks/configs/opt-30b-x4-int8_m24-r0.3.json}
 nproc=${NPROC:-4}
 run() {  # label tree cache seconds
   local label=$1 tree=$2 cache=$3 limit=$4
-  (cd "$tree" && TORCH_EXTENSIONS_DIR=/tmp/ext_twinflow python -c "from twinflow import ops; ops.load()") || return
+  (cd "$tree" && TORCH_EXTENSIONS_DIR=/tmp/ext_twinflow python -c "
+try:
+    from twinflow.host import ops  # the layout by sub-packages
+except ImportError:
+    from twinflow import ops  # an older tree's flat layout
+ops.load()") || return
   PYTHONPATH=$tree TORCH_EXTENSIONS_DIR=/tmp/ext_twinflow TORCHINDUCTOR_CACHE_DIR=$cache timeout "$limit" \
     torchrun --standalone --nproc-per-node "$nproc" benchmarks/bench_init.py --model "${MODEL:-opt-30b}" \
     --config "$config" --steps "${STEPS:-4}" --label "$label" --out "$out/init_$label.json" 2>&1 \

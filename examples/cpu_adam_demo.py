@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from twinflow import ops
+from twinflow.host import ops
 
 try:
     from tqdm import tqdm

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from twinflow import ops
+from twinflow.host import ops
 
 # Test modules whose verdicts cannot depend on the kernel's SIMD path: they never step the kernel (or replace it),
 # or they check wiring (a script's output, a config error, the benchmark harness) without comparing the numbers
@@ -61,9 +61,9 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
     ``drop_for()``) asks for it, after the next step's gradients have landed.
     The worker's gate (``CpuExecutor.gate``) holds the jobs back.
     """
-    from twinflow.host_modes import DelayedMode
-    from twinflow.host_side import HostSide
-    from twinflow.step_record import Phase
+    from twinflow.host.host_modes import DelayedMode
+    from twinflow.host.host_side import HostSide
+    from twinflow.host.step_record import Phase
 
     asked: dict[int, int] = {}  # id(host) -> the highest chunk waited for in this step
     late_asked: dict[int, int] = {}  # id(host) -> the delayed steps whose late job was asked for

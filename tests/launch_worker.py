@@ -41,8 +41,9 @@ import torch
 import torch.distributed.fsdp  # noqa: F401 - imported before the fork server forks: each rank starts warm
 
 import twinflow
-from twinflow import checkpoint, ops
-from twinflow.tune import host
+from twinflow.checkpoint import checkpoint
+from twinflow.host import ops
+from twinflow.plan import host
 
 WIDTH, DEPTH, MICRO, ACCUMULATION = 48, 3, 2, 2
 STEPS_TO_A, STEPS_AFTER_A = 3, 3  # optimizer steps before tag A, and from A to the save of B
@@ -122,7 +123,7 @@ class DyingFile:
 
 def die_while_writing(kind: str, limit: int) -> None:
     """From now on this process dies `limit` bytes into the next shard (`kind` "shard"), meta.json ("meta") or
-    ``latest`` ("latest") that twinflow.checkpoint writes: the functions it writes them with are wrapped, in
+    ``latest`` ("latest") that twinflow.checkpoint.checkpoint writes: the functions it writes them with are wrapped, in
     this process only."""
 
     def dying(write: Callable[[IO[bytes]], object]) -> Callable[[IO[bytes]], object]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from twinflow import ops
+from twinflow.host import ops
 
 
 def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -8,8 +8,8 @@ import torch
 
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from twinflow.checkpoint_files import format_bytes
-from twinflow.schedulers import WarmupDecayLR
+from twinflow.checkpoint.checkpoint_files import format_bytes
+from twinflow.engine.schedulers import WarmupDecayLR
 
 
 def build(ratio: float = 0.5, seed: int = 0, width: int = 16, precision: str = "fp32"):

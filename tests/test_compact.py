@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import twinflow
-from twinflow import TwinFlowAdam, compact, ops
+from twinflow import TwinFlowAdam
+from twinflow.host import ops
+from twinflow.precision import compact
 
 
 def make(seed: int = 0) -> torch.nn.Module:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from twinflow import TwinFlowAdam, compact
+from twinflow import TwinFlowAdam
 from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from twinflow.checkpoint_files import sha256_of
-from twinflow.compact_checkpoint import MAGIC, CompactShard
-from twinflow.convert import main as convert_main
+from twinflow.checkpoint.checkpoint_files import sha256_of
+from twinflow.checkpoint.compact_checkpoint import MAGIC, CompactShard
+from twinflow.checkpoint.convert import main as convert_main
+from twinflow.precision import compact
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = {
@@ -172,7 +173,7 @@ import json, sys, torch
 from pathlib import Path
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import load_checkpoint, save_checkpoint
-from twinflow.convert import convert
+from twinflow.checkpoint.convert import convert
 
 def size(key):
     with open("/proc/self/status") as f:

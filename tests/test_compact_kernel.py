@@ -5,14 +5,15 @@ import math
 import pytest
 import torch
 
-from twinflow import compact, compact_step, ops, weight_master
+from twinflow.host import ops
+from twinflow.precision import compact, compact_step, weight_master
 
 SIZES = [1, 7, 255, 256, 257, 1000, 70001]  # partial blocks, whole ones, and thread boundaries inside tensors
 F32 = torch.float32
 
 
 def reference_step(p, g, state, step, index_base, hyper, scale):
-    """twinflow.compact_step's float32 torch operations, csrc/adam_q8.h one at a time and in its order (the
+    """twinflow.precision.compact_step's float32 torch operations, csrc/adam_q8.h one at a time and in its order (the
     device side's compact step: the kernel must give its bits); `p`: float32 masters, or 24-bit ones (a
     Master24, rounded in place: the float32 value comes back)."""
     if isinstance(p, compact.Master24):

@@ -34,7 +34,7 @@ DEEPSPEED_TWIN_FLOW = {
 def test_deepspeed_twin_flow_file_loads_unchanged(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(DEEPSPEED_TWIN_FLOW))
-    with caplog.at_level(logging.WARNING, logger="twinflow.config"):
+    with caplog.at_level(logging.WARNING, logger="twinflow.engine.config"):
         config = load_config(path, world_size=2)
     assert config.ratio == 0.4 and config.zero_optimization.stage == 3
     assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (
@@ -268,7 +268,7 @@ def test_offload_with_no_effect_is_refused_but_ratio_zero_is_fine() -> None:
 
 def test_deprecated_cpu_offload_is_full_offload_as_in_deepspeed(caplog: pytest.LogCaptureFixture) -> None:
     base = {"train_micro_batch_size_per_gpu": 1}
-    with caplog.at_level(logging.WARNING, logger="twinflow.config"):
+    with caplog.at_level(logging.WARNING, logger="twinflow.engine.config"):
         config = load_config(base | {"zero_optimization": {"stage": 2, "cpu_offload": True}})
     assert config.ratio == 1.0 and config.zero_optimization.offload_optimizer.device == "cpu"
     [warning] = [r.getMessage() for r in caplog.records]
@@ -453,7 +453,10 @@ def test_offload_ratio_auto_still_meets_the_offload_checks(patch: dict, message:
 
 
 def _load_warnings(raw: dict, caplog: pytest.LogCaptureFixture) -> tuple[list[warnings.WarningMessage], list[str]]:
-    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="twinflow.config"):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        caplog.at_level(logging.WARNING, logger="twinflow.engine.config"),
+    ):
         warnings.simplefilter("always")
         load_config(raw, world_size=1)
     return caught, [r.getMessage() for r in caplog.records]
@@ -492,7 +495,10 @@ def test_parameter_offload_off_is_only_an_ignored_key(zero: dict, caplog) -> Non
 def test_a_refused_config_warns_nothing(caplog) -> None:
     raw = {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "wall_clock_breakdown": False,
            "zero_optimization": {"offload_param": {"device": "cpu"}, "cpu_offload": False}}  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="twinflow.config"):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        caplog.at_level(logging.WARNING, logger="twinflow.engine.config"),
+    ):
         warnings.simplefilter("always")
         with pytest.raises(ConfigError, match="not a multiple"):
             load_config(raw, world_size=1)
@@ -500,11 +506,11 @@ def test_a_refused_config_warns_nothing(caplog) -> None:
 
 
 def test_schema_names_stay_importable_from_twinflow_config() -> None:
-    import twinflow.config
-    import twinflow.config_schema
+    import twinflow.engine.config
+    import twinflow.engine.config_schema
 
-    for name in twinflow.config.__all__:
-        assert hasattr(twinflow.config, name), name
+    for name in twinflow.engine.config.__all__:
+        assert hasattr(twinflow.engine.config, name), name
     for name in ("Config", "ConfigError", "OffloadOptimizer", "ZeroOptimization", "WarmupLR", "Number", "Flag"):
-        assert getattr(twinflow.config, name) is getattr(twinflow.config_schema, name)
-    assert twinflow.ConfigError is twinflow.config.ConfigError
+        assert getattr(twinflow.engine.config, name) is getattr(twinflow.engine.config_schema, name)
+    assert twinflow.ConfigError is twinflow.engine.config.ConfigError

@@ -266,7 +266,7 @@ def test_fsdp2_post_optim_event_still_waits_for_the_cpu_share(lazy_cpu_side, pla
 def test_the_clipping_norm_does_not_depend_on_the_order_gradients_arrive_in() -> None:
     """Under DDP the buckets' reductions may finish in either order: the total norm must come out the same, to
     the bit, whatever the order the streamed gradients' norms were noted in."""
-    from twinflow.step_scale import StepScale
+    from twinflow.step.step_scale import StepScale
 
     gen = torch.Generator().manual_seed(3)
     sizes, spreads = torch.randint(1, 500, (64,), generator=gen), torch.rand(64, generator=gen) * 100

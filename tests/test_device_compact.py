@@ -1,4 +1,4 @@
-"""The device share in a compact precision (twinflow.device_compact): the same bits as the CPU share's kernel,
+"""The device share in a compact precision (twinflow.device.device_compact): the same bits as the CPU share's kernel,
 state that moves between the sides (a new ratio, a state dict) unchanged, and its bytes."""
 
 import copy
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twinflow import TwinFlowAdam, compact
-from twinflow.device_compact import CompactDeviceState
-from twinflow.partition import Segment
+from twinflow import TwinFlowAdam
+from twinflow.base.partition import Segment
+from twinflow.device.device_compact import CompactDeviceState
+from twinflow.precision import compact
 
 
 def make(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 import twinflow
 from twinflow import TwinFlowAdam
-from twinflow.schedulers import WarmupDecayLR
+from twinflow.engine.schedulers import WarmupDecayLR
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
@@ -226,7 +226,7 @@ def test_steps_per_print_writes_deepspeeds_line_as_a_notice(monkeypatch, caplog)
     import types
 
     clock = [0.0]
-    monkeypatch.setattr("twinflow.engine.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr("twinflow.engine.engine.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     config = CONFIG | {"steps_per_print": 2, "gradient_accumulation_steps": 2,
                        "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}  # fmt: skip
     engine, opt, _, sched = twinflow.initialize(model=make_model(), config=config)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.reference import adam_reference
-from twinflow import node, ops
+from twinflow.base import node
+from twinflow.host import ops
 
 SIZES = [1, 7, 17, 1_000_003]  # none a multiple of a vector width
 STEPS = 20

@@ -9,7 +9,7 @@ element's result may depend only on that element's inputs.
 import pytest
 import torch
 
-from twinflow import ops
+from twinflow.host import ops
 
 STEPS = 3
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.7)

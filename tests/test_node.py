@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from twinflow import node, ops
-from twinflow.executor import CpuExecutor, Job
+from twinflow.base import node
+from twinflow.host import ops
+from twinflow.host.executor import CpuExecutor, Job
 
 
 @pytest.fixture(autouse=True)

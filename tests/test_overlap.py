@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from twinflow import TwinFlowAdam
-from twinflow.partition import Segment
-from twinflow.staging import plan_chunks
+from twinflow.base.partition import Segment
+from twinflow.host.staging import plan_chunks
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -269,7 +269,7 @@ def test_race_forward_waits_for_uploaded_weights(placement: str) -> None:
 
 @pytest.mark.cuda
 def test_race_test_fails_without_the_forward_waits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinflow import overlap
+    from twinflow.optim import overlap
 
     monkeypatch.setattr(overlap.WaitFor, "__call__", lambda self, module, args: None)
     # Either the forward reads stale weights, or autograd sees a saved weight overwritten under it.
@@ -365,7 +365,7 @@ def test_eager_step_uses_one_set_of_hyperparameters_for_both_sides(caplog: pytes
         if opt is opt_over:
             for group in opt.param_groups:
                 group["lr"] = 0.5  # too late: the CPU share may already be stepping
-        with caplog.at_level("WARNING", logger="twinflow.twin_flow_adam"):
+        with caplog.at_level("WARNING", logger="twinflow.optim.twin_flow_adam"):
             opt.step()
         opt.synchronize()
     assert "changed between backward and step()" in caplog.text
@@ -375,7 +375,7 @@ def test_eager_step_uses_one_set_of_hyperparameters_for_both_sides(caplog: pytes
 @pytest.mark.cuda
 def test_in_place_gradient_writes_wait_for_pending_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """zero_grad(set_to_none=False) right after step(): the zeroing must not overtake a queued copy."""
-    from twinflow import transfer
+    from twinflow.base import transfer
 
     original = transfer.Streams.after_compute
 

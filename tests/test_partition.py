@@ -2,7 +2,7 @@
 
 import pytest
 
-from twinflow.partition import split
+from twinflow.base.partition import split
 
 
 @pytest.mark.parametrize("placement", ["first", "last"])

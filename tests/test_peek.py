@@ -7,7 +7,8 @@ must be bit for bit the single pass: the peek's weights its copy, the commit's m
 import pytest
 import torch
 
-from twinflow import compact, ops
+from twinflow.host import ops
+from twinflow.precision import compact
 
 HYPER = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-7, num_threads=3)  # 3 threads: cuts fall inside tensors
 

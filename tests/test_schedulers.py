@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam, load_config
-from twinflow.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from twinflow.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def lrs_after(sched: torch.optim.lr_scheduler.LRScheduler, steps: list[int]) -> dict[int, list[float]]:

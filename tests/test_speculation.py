@@ -184,8 +184,8 @@ def train_steps(model: torch.nn.Module, opt: TwinFlowAdam, steps: int, seed: int
 def lazy_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker applies the verdict on held chunks (keep or redo, then upload) only once the main thread waits
     for a chunk: a forward that read the weights without waiting would read the old ones on every run."""
-    from twinflow.host_side import HostSide
-    from twinflow.step_record import Phase
+    from twinflow.host.host_side import HostSide
+    from twinflow.host.step_record import Phase
 
     original_open, original_wait = HostSide.open, HostSide.wait
     asked: dict[int, bool] = {}  # id(host) -> a chunk of the sealed step was waited for
@@ -224,7 +224,7 @@ def test_a_worker_error_in_an_abandoned_speculative_step_is_raised_once_and_trai
 ) -> None:
     """zero_grad() after a speculative chunk failed: the error is raised, the step is still abandoned (its
     speculative updates dropped), and the next iterations run as if it had been abandoned cleanly."""
-    from twinflow.host_state import HostState
+    from twinflow.host.host_state import HostState
 
     runs = []
     for fail in (False, True):

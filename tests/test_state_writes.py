@@ -449,7 +449,7 @@ def test_a_write_into_a_copy_during_an_attached_step_is_refused_and_dropped(eage
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_a_loop_of_writes_takes_each_entry_once(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinflow.split_state import SplitState
+    from twinflow.step.split_state import SplitState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(25)]).to(torch.bfloat16)

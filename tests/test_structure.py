@@ -52,7 +52,7 @@ def imports_of(module: str) -> list[tuple[str, str]]:
                 base = ".".join(parts + ([base] if base else []))
             if base.split(".")[0] != "twinflow":
                 continue
-            for alias in node.names:  # `from twinflow import ops` imports the module twinflow.ops
+            for alias in node.names:  # `from twinflow import ops` imports the module twinflow.host.ops
                 target = f"{base}.{alias.name}"
                 found.append((target, "") if target in MODULES else (resolve(base), alias.name))
     return [(target, name) for target, name in found if target is not None]
@@ -92,8 +92,8 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_the_walk_sees_imports_inside_functions() -> None:
     # checkpoint imports the optimizer at module level, config imports distributed inside a function
-    assert "twinflow.distributed" in graph()["twinflow.config"]
-    assert "twinflow.twin_flow_adam" in graph()["twinflow.checkpoint"]
+    assert "twinflow.base.distributed" in graph()["twinflow.engine.config"]
+    assert "twinflow.optim.twin_flow_adam" in graph()["twinflow.checkpoint.checkpoint"]
 
 
 def test_no_import_cycle() -> None:
@@ -113,16 +113,75 @@ def test_no_private_name_from_another_module(module: str) -> None:
     assert not private, f"{module} imports private names {private}; make them public where they are defined"
 
 
-def test_tune_does_not_import_the_optimizer() -> None:
-    """ratio='auto' uses twinflow.tune, so tune (its model and probe) stays below the optimizer. Only its
+def test_the_planner_does_not_import_the_optimizer() -> None:
+    """ratio='auto' uses twinflow.plan, so the planner (its model and probes) stays below the optimizer. Only the
     command line (``python -m twinflow.tune``, a program above everything) builds optimizers."""
-    below = {"twinflow.tune"}
+    below = {"twinflow.plan"}
     seen: set[str] = set()
     while below:
         m = below.pop()
         seen.add(m)
         below |= graph()[m] - seen
-    assert "twinflow.twin_flow_adam" not in seen, sorted(seen)
+    assert not {m for m in seen if m.startswith("twinflow.optim")}, sorted(seen)
+
+
+# --- The sub-packages: one per part of the architecture, stacked ------------------------------------------
+
+MAX_PACKAGE_LEVELS = 8  # the sub-packages (and the modules at the top) over each other
+MAX_LEVELS_INSIDE = 6  # the modules inside one sub-package over each other
+
+
+def part(module: str) -> str:
+    """The sub-package a module belongs to (``twinflow.host.ops`` -> ``twinflow.host``); a module at the top,
+    ``twinflow`` itself included, is a part of its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else module
+
+
+def collapse(edges: dict[str, set[str]], unit) -> dict[str, set[str]]:  # noqa: ANN001
+    """The graph between the units that `unit` maps modules to (arrows inside a unit dropped)."""
+    out: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        out.setdefault(unit(m), set()).update(unit(t) for t in targets if unit(t) != unit(m))
+    return out
+
+
+def levels(edges: dict[str, set[str]]) -> dict[str, int]:
+    """Each node's level: 1 for a node that imports nothing, else one above the highest it imports (no cycle)."""
+    memo: dict[str, int] = {}
+
+    def level(n: str) -> int:
+        if n not in memo:
+            memo[n] = 1 + max((level(t) for t in edges.get(n, ())), default=0)
+        return memo[n]
+
+    return {n: level(n) for n in edges}
+
+
+def inside(edges: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    members = {m for m in edges if part(m) == package}
+    return {m: edges[m] & members for m in members}
+
+
+def test_the_level_measures_count_floors() -> None:
+    assert levels({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}) == {"a": 3, "b": 2, "c": 1, "d": 2}
+    two = {"p.x.a": {"p.y.b"}, "p.y.b": {"p.y.c"}, "p.y.c": set()}
+    assert collapse(two, lambda m: m.rpartition(".")[0]) == {"p.x": {"p.y"}, "p.y": set()}
+
+
+def test_the_sub_packages_form_no_cycle_and_stand_on_few_levels() -> None:
+    packages = collapse(graph(), part)
+    cycle = find_cycle(packages)
+    assert cycle is None, f"the sub-packages import each other in a circle: {' -> '.join(cycle)}"
+    floors = levels(packages)
+    top = max(floors.values())
+    assert top <= MAX_PACKAGE_LEVELS, sorted(floors.items(), key=lambda kv: -kv[1])
+
+
+@pytest.mark.parametrize("package", sorted({part(m) for m in MODULES if part(m) != m or m == "twinflow"}))
+def test_each_sub_package_stands_on_few_levels_inside(package: str) -> None:
+    floors = levels(inside(graph(), package))
+    assert max(floors.values(), default=0) <= MAX_LEVELS_INSIDE, sorted(floors.items(), key=lambda kv: -kv[1])
 
 
 # --- Size: a class fits in one reading, a module holds one job -------------------------------------------

@@ -8,9 +8,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import twinflow.tune
-from twinflow import TwinFlowAdam, compact, ops
-from twinflow.tune import (
+import twinflow.plan
+from twinflow import TwinFlowAdam
+from twinflow.host import ops
+from twinflow.plan import (
     Inputs,
     NoRatioFits,
     choose_ratio,
@@ -22,6 +23,7 @@ from twinflow.tune import (
     predict_peak,
     predict_time,
 )
+from twinflow.precision import compact
 
 GIB = 1 << 30
 
@@ -53,7 +55,7 @@ RATES = {"cpu-bound": {}, "gpu-bound": {"cpu_elements_per_s": 20e9, "gpu_element
 
 def assert_is_the_choice(x: Inputs, d: dict, placement: str, overlap: bool, eager: bool, delayed: bool = False,
                          speculative: bool = False) -> None:  # fmt: skip
-    """`d` is choose_ratio's rule applied by brute force over the ratios 0, 0.01, ..., 1 (twinflow.tune's docstring):
+    """`d` is choose_ratio's rule applied by brute force over the ratios 0, 0.01, ..., 1 (twinflow.plan's docstring):
     the smallest of the fitting ratios predicted within 2% of the fastest fitting one; 1 when none fits."""
     r = d["ratio"]
     assert 0.0 <= r <= 1.0 and r in GRID, r
@@ -176,12 +178,12 @@ def test_first_step_peak_counts_when_gradients_are_still_on_the_device() -> None
 
 def fixed_rates(monkeypatch: pytest.MonkeyPatch, kernel: float, torch_adam: float) -> None:
     """The probes report these elements per second (the choice on a CPU follows the faster of the two)."""
-    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate", lambda *a, **kw: kernel)
-    monkeypatch.setattr(twinflow.tune, "device_adam_rate", lambda *a, **kw: torch_adam)
+    monkeypatch.setattr(twinflow.plan, "cpu_kernel_rate", lambda *a, **kw: kernel)
+    monkeypatch.setattr(twinflow.plan, "device_adam_rate", lambda *a, **kw: torch_adam)
 
 
 def test_budget_caps_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinflow.tune import IterationProbe
+    from twinflow.plan import IterationProbe
 
     fixed_rates(monkeypatch, kernel=1e9, torch_adam=2e9)  # torch's Adam faster: with room, ratio 0
     model = torch.nn.Linear(8, 8)
@@ -436,14 +438,14 @@ class FakeClock:
 def test_timed_skips_the_warm_up_and_outlasts_a_burst_of_contention() -> None:
     # warm-up 10 s (a first-use compile, first touch), then 5 calls slowed by other processes, then the real speed
     clock = FakeClock([10.0] + [0.25] * 5 + [1 / 32] * 200)  # binary fractions: the sums are exact
-    best = twinflow.tune.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
+    best = twinflow.plan.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
     assert best == 1 / 32  # a best-of-3 after the warm-up would have reported 0.25 s
     assert len(clock.calls) == 1 + 5 + 24  # 1.25 s of slow calls, then fast ones until 2 s of calls have passed
     clock = FakeClock([0.0] + [1e-6] * 500)
-    twinflow.tune.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
+    twinflow.plan.probes.timed(clock.spend, repeats=3, cuda=False, clock=clock, window_s=2.0, max_calls=100)
     assert len(clock.calls) == 1 + 100  # short calls stop at max_calls
     clock = FakeClock([0.0] + [5.0] * 10)
-    assert twinflow.tune.probes.timed(clock.spend, 3, False, clock, window_s=2.0) == 5.0 and len(clock.calls) == 4
+    assert twinflow.plan.probes.timed(clock.spend, 3, False, clock, window_s=2.0) == 5.0 and len(clock.calls) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -458,7 +460,7 @@ def test_the_kernel_probe_is_elements_over_seconds_of_one_call(monkeypatch: pyte
         clock.spend(elements=sum(p.numel() for p in params), threads=num_threads)
 
     monkeypatch.setattr(ops, "adam_step_", kernel)
-    rate = twinflow.tune.cpu_kernel_rate(2, 3000, dtype=dtype, tensors=3, clock=clock)
+    rate = twinflow.plan.cpu_kernel_rate(2, 3000, dtype=dtype, tensors=3, clock=clock)
     assert rate == 3000 / 0.25  # 12,000 parameters a second: 1.2e-05 Gparam/s
     assert {c["elements"] for c in clock.calls} == {3000} and {c["threads"] for c in clock.calls} == {2}
 
@@ -472,13 +474,13 @@ def test_the_device_probe_times_torchs_adam_on_the_cpu(monkeypatch: pytest.Monke
         clock.spend(elements=sum(m.numel() for m in masters))
 
     monkeypatch.setattr(torch, "_fused_adamw_", fused)
-    rate = twinflow.tune.device_adam_rate(torch.device("cpu"), 1 << 12, dtype=torch.float32, tensors=4, clock=clock)
+    rate = twinflow.plan.device_adam_rate(torch.device("cpu"), 1 << 12, dtype=torch.float32, tensors=4, clock=clock)
     assert rate == (1 << 12) / 0.125 and {c["elements"] for c in clock.calls} == {1 << 12}
-    assert twinflow.tune.device_adam_rate(torch.device("meta"), 1 << 12) == float("inf")  # nowhere to run it
+    assert twinflow.plan.device_adam_rate(torch.device("meta"), 1 << 12) == float("inf")  # nowhere to run it
 
 
 def test_a_probe_steps_what_the_model_has_within_bounds() -> None:
-    from twinflow.tune.probes import MIN_PROBE_ELEMENTS, PROBE_ELEMENTS, probe_elements
+    from twinflow.plan.probes import MIN_PROBE_ELEMENTS, PROBE_ELEMENTS, probe_elements
 
     assert probe_elements(72) == MIN_PROBE_ELEMENTS  # a call this small would time its fixed cost alone
     assert probe_elements(3_448_704) == 3_448_704
@@ -564,7 +566,7 @@ def test_explain_names_what_bound_the_choice_in_words_and_gib(kw: dict, binding:
 def test_weights_first_is_predicted_where_the_cpu_has_room_and_never_slower() -> None:
     from dataclasses import replace
 
-    from twinflow.tune import PEEK_COMMIT
+    from twinflow.plan import PEEK_COMMIT
 
     def both(x: Inputs, r: float, **kw) -> tuple[float, float]:
         return predict_time(x, r, "first", True, False, **kw), predict_time(x, r, "first", True, False,

@@ -1,4 +1,4 @@
-"""``python -m twinflow.tune``: progress while it measures, small defaults without a GPU, a recommendation that
+"""``python -m twinflow.plan``: progress while it measures, small defaults without a GPU, a recommendation that
 agrees with its measurements (fed to it here), strict JSON."""
 
 import json
@@ -125,14 +125,14 @@ def test_progress_uses_a_tqdm_bar_where_there_is_one(monkeypatch: pytest.MonkeyP
 def test_local_ranks_plans_as_one_of_a_nodes_ranks(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """--local-ranks N: the host budget is this process's 1/N, the kernel gets 1/N of the cores, and the kernel's
     probe runs beside N-1 copies of itself (sharers), as the ranks of a torchrun job would."""
-    import twinflow.tune
+    import twinflow.plan
     from twinflow.tune import __main__ as cli
 
     seen = {}
-    monkeypatch.setattr(twinflow.tune, "cpu_kernel_rate",
+    monkeypatch.setattr(twinflow.plan, "cpu_kernel_rate",
                         lambda *a, sharers=1, **kw: seen.setdefault("sharers", sharers) and 1e9)  # fmt: skip
-    monkeypatch.setattr(twinflow.tune, "device_adam_rate", lambda *a, **kw: 2e9)
-    monkeypatch.setattr(twinflow.tune, "host_available_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(twinflow.plan, "device_adam_rate", lambda *a, **kw: 2e9)
+    monkeypatch.setattr(twinflow.plan, "host_available_bytes", lambda: 64 * 2**30)
     for name in ("LOCAL_WORLD_SIZE", "TWINFLOW_NUM_THREADS"):  # unset now, and as they were after the test
         monkeypatch.setenv(name, "1")
         monkeypatch.delenv(name)
@@ -151,8 +151,8 @@ def test_local_ranks_plans_as_one_of_a_nodes_ranks(monkeypatch: pytest.MonkeyPat
 def test_a_shared_probe_runs_the_other_ranks_kernels_beside_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from twinflow import ops
-    from twinflow.tune import probes
+    from twinflow.host import ops
+    from twinflow.plan import probes
 
     callers = set()
     monkeypatch.setattr(ops, "adam_step_", lambda *a, **kw: callers.add(threading.get_ident()))

@@ -6,8 +6,8 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
-import twinflow.tune
-from twinflow.tune import Inputs, IterationProbe, agree, choose_ratio, predict_host, predict_peak, predict_time
+import twinflow.plan
+from twinflow.plan import Inputs, IterationProbe, agree, choose_ratio, predict_host, predict_peak, predict_time
 
 GIB = 1 << 30
 
@@ -44,8 +44,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         # torch's Adam faster than the kernel: with room a rank takes ratio 0; rank 0 has no room (budget 0) and
         # must take ratio 1
-        twinflow.tune.cpu_kernel_rate = lambda *a, **kw: 1e9
-        twinflow.tune.device_adam_rate = lambda *a, **kw: 2e9
+        twinflow.plan.cpu_kernel_rate = lambda *a, **kw: 1e9
+        twinflow.plan.device_adam_rate = lambda *a, **kw: 2e9
         params = list(torch.nn.Linear(8, 8).parameters())
         d = IterationProbe(torch.device("cpu")).decide(
             params, placement="first", eager=False, release_grads=False, margin=0.1, budget=0 if rank == 0 else 1000,
@@ -66,7 +66,7 @@ def test_the_ranks_plan_the_largest_ratio_any_chose(tmp_path) -> None:
 
 
 def test_a_line_every_rank_would_write_alike_is_written_by_rank_0(monkeypatch, caplog) -> None:
-    from twinflow.notice import notice_on_first_rank
+    from twinflow.base.notice import notice_on_first_rank
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     for rank in (1, 0):
@@ -84,7 +84,7 @@ def test_no_ratio_fitting_names_the_gpu_count_that_would() -> None:
 
     import pytest
 
-    from twinflow.tune import NoRatioFits
+    from twinflow.plan import NoRatioFits
 
     x = dataclasses.replace(_inputs(), elements=7_500_000_000, grad_bytes=15_000_000_000, first_peak_bytes=40 * GIB,
                             at_step_bytes=32 * GIB, budget_bytes=70 * GIB, host_budget_bytes=40 * GIB,

@@ -259,7 +259,8 @@ def test_race_many_chunks_busy_gpu() -> None:
 @pytest.mark.parametrize("removed", ["grad_ready", "final_wait"])
 def test_race_test_catches_a_missing_synchronisation(monkeypatch: pytest.MonkeyPatch, removed: str) -> None:
     """The race test above must fail when one of the synchronisations is taken out."""
-    from twinflow import staging, transfer
+    from twinflow.base import transfer
+    from twinflow.host import staging
 
     if removed == "grad_ready":
         original_init = staging.Staging.__init__
@@ -310,7 +311,7 @@ def test_memory_is_flat_over_100_steps() -> None:
 
 
 def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinflow import transfer
+    from twinflow.base import transfer
 
     real_empty = torch.empty
 
@@ -326,7 +327,7 @@ def test_failed_pinned_allocation_says_how_much_and_what_to_lower(monkeypatch: p
 
 def test_device_side_upcast_in_small_pieces_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 gradients are upcast at most _UPCAST_ELEMENTS at a time; cutting segments must not change a bit."""
-    from twinflow import device_side
+    from twinflow.device import device_side
 
     results = []
     for limit in (1 << 26, 7):  # 7: every segment cut into many pieces, several batches per group

@@ -1,6 +1,6 @@
 """The compact device step is compiled once, in the background, and that one compilation serves every batch.
 
-On a GPU the step is torch.compile'd (twinflow.device_compact.step_functions); here it is compiled on the CPU
+On a GPU the step is torch.compile'd (twinflow.device.device_compact.step_functions); here it is compiled on the CPU
 the same way, so that what makes torch.compile compile again (a view's base, a size of one block, a missing or
 bfloat16 multiplier) shows as a second graph.
 """
@@ -8,8 +8,9 @@ bfloat16 multiplier) shows as a second graph.
 import torch
 import torch._dynamo
 
-from twinflow import compact_step, device_compact
-from twinflow.partition import Segment
+from twinflow.base.partition import Segment
+from twinflow.device import device_compact
+from twinflow.precision import compact_step
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True, bias_correction=True)
 

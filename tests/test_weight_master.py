@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from twinflow import compact, weight_master
+from twinflow.precision import compact, weight_master
 
 
 def all_masters(part: int, parts: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +61,12 @@ def test_the_residual_removes_truncations_bias_toward_zero() -> None:
 
 @pytest.mark.parametrize("adamw_mode", [True, False])
 def test_the_device_forms_step_is_the_cpu_kernels_bit_for_bit(simd: str, adamw_mode: bool) -> None:
-    """Masters kept as (weight, residual), stepped by twinflow.compact_step's torch operations, against the CPU
-    kernel stepping the same masters in its (hi, lo) form: the same 24-bit masters and codes after every step,
+    """Masters kept as (weight, residual), stepped by twinflow.precision.compact_step's torch operations, against
+    the CPU kernel stepping the same masters in its (hi, lo) form: the same 24-bit masters and codes after every step,
     and the weight is the nearest bfloat16 of the master (the kernel's own output copy is the same rounding but
     for ties, which go to even there)."""
-    from twinflow import compact_step, ops
+    from twinflow.host import ops
+    from twinflow.precision import compact_step
 
     gen = torch.Generator().manual_seed(11)
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode)
@@ -98,7 +99,7 @@ def test_the_device_forms_step_is_the_cpu_kernels_bit_for_bit(simd: str, adamw_m
 def test_the_device_forms_step_on_cuda_is_the_same_bits_as_on_the_cpu() -> None:
     """The torch operations give the same bits on the GPU as on the CPU (and so as the CPU kernel): state moves
     between the sides without being rounded again."""
-    from twinflow import compact_step
+    from twinflow.precision import compact_step
 
     gen = torch.Generator().manual_seed(12)
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
@@ -120,7 +121,7 @@ def test_the_device_forms_step_on_cuda_is_the_same_bits_as_on_the_cpu() -> None:
 def test_a_tensor_multiplier_gives_the_bits_of_the_same_float() -> None:
     """The device side clips with a coefficient it never reads on the host (a tensor): the same bits as the
     kernel's float multiplier."""
-    from twinflow import compact_step
+    from twinflow.precision import compact_step
 
     gen = torch.Generator().manual_seed(14)
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from twinflow import TwinFlowAdam
-from twinflow.weights_first import WeightsFirstMode
+from twinflow.host.weights_first import WeightsFirstMode
 
 
 def make(dtype: torch.dtype) -> torch.nn.Module:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import save_checkpoint
-from twinflow.executor import CpuExecutor
+from twinflow.host.executor import CpuExecutor
 
 
 def make() -> torch.nn.Module:

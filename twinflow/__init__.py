@@ -1,10 +1,10 @@
 """twinflow: Adam with a configurable share of the optimizer step on the CPU."""
 
-from twinflow.config import Config, ConfigError, load_config
-from twinflow.cpu_adam import CPUAdam
-from twinflow.engine import Engine, initialize
-from twinflow.ops import BuildError
-from twinflow.twin_flow_adam import TwinFlowAdam
+from twinflow.engine.config import Config, ConfigError, load_config
+from twinflow.engine.engine import Engine, initialize
+from twinflow.host.ops import BuildError
+from twinflow.optim.cpu_adam import CPUAdam
+from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.version import __version__
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""``python -m twinflow.tune``: the ratio twinflow would choose for an OPT model here, and a check of it.
+"""``python -m twinflow.plan``: the ratio twinflow would choose for an OPT model here, and a check of it.
 
 Builds a randomly initialised OPT model of the given size, lets
 ``TwinFlowAdam(ratio="auto")`` decide, then trains a few steps at each of
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from twinflow.models import OPT_SHAPES, build_opt
-from twinflow.tune import Inputs, explain, predict_peak, predict_time
-from twinflow.twin_flow_adam import TwinFlowAdam
+from twinflow.optim.twin_flow_adam import TwinFlowAdam
+from twinflow.plan import Inputs, explain, predict_peak, predict_time
 
 # (GPU, CPU) defaults: OPT-1.3B at 4x1024 tokens had not finished one backward after 150 s on a 2-core CPU
 DEFAULTS = {
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.local_ranks > 1:  # planned as one of a node's ranks: its host share and its cores (twinflow.node)
+    if args.local_ranks > 1:  # planned as one of a node's ranks: its host share and its cores (twinflow.base.node)
         os.environ["LOCAL_WORLD_SIZE"] = str(args.local_ranks)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ.setdefault("TWINFLOW_NUM_THREADS", str(max(1, cores // args.local_ranks)))

@@ -1,0 +1,480 @@
+"""The files of a checkpoint directory: atomic writes, what interrupted saves leave behind, and meta.json.
+
+:mod:`twinflow.checkpoint.checkpoint` (the API) builds on this layer and describes the layout. A file is written under a
+temporary name ``.<target>.tmp<pid>@<host>``, flushed to disk and renamed into place. While a process writes
+into a tag folder, the folder holds its marker ``.saving<pid>@<host>``, removed once the save has finished. A
+tag folder without meta.json whose markers all belong to processes that are gone was left by a save that was
+killed; like the temporaries such saves leave, the next save or load of the directory removes it and says so
+in one notice.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from twinflow.base.notice import notice
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or does not fit; nothing was changed."""
+
+
+SHARD_NAME = re.compile(r"rank\d+\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# Our temporaries: ".<target>.tmp<pid>@<host>", <target> being "latest", "meta.json" or "<tag>.rank<r>.pt" (a
+# shard staged in the checkpoint directory before its tag folder exists). Earlier versions wrote
+# ".rank<r>.pt.tmp<pid>" (and the others) without "@<host>": recognised too, so their leftovers are cleaned.
+_TEMP = re.compile(
+    r"\.(?P<target>latest|meta\.json|(?:.+\.)?rank\d+\.pt)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9._-]+))?"
+)
+_MARKER = re.compile(r"\.saving(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)")
+DAMAGED = (
+    "The checkpoint is damaged or was not written by twinflow.checkpoint.checkpoint.save_checkpoint: load another tag, "
+    "or save it again"
+)
+HASH_BLOCK = 1 << 20  # bytes a hash reads at once
+# The markers of the saves this process is running now: its other markers (of a save that failed) are stale.
+_saving: set[Path] = set()
+
+
+def _host() -> str:
+    """This machine's name as it appears in temporaries' names (characters safe in a file name)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+
+
+def temp_path(folder: Path, target: str) -> Path:
+    """The temporary under which this process writes `target` in `folder`."""
+    return folder / f".{target}.tmp{os.getpid()}@{_host()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine (True when it cannot be told)."""
+    if pid <= 0:  # os.kill(0 or -n) would address process groups: never call such a writer dead
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def _writer_gone(match: re.Match[str], path: Path) -> bool:
+    """Whether the process named by a temporary's or marker's name has certainly stopped writing `path`.
+
+    Only on this host (names without a host, from older versions, are taken as this host's): another host's
+    pid cannot be checked from here. A dead writer's pid reused by a new process keeps the file until a later
+    call; separate pid namespaces with the same host name (containers sharing a volume) defeat the check.
+    """
+    if (match["host"] or _host()) != _host():
+        return False
+    if int(match["pid"]) == os.getpid():
+        return _MARKER.fullmatch(path.name) is not None and path not in _saving
+    return not _pid_alive(int(match["pid"]))
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes for people: ``"512 bytes"``, ``"631.2 MB"`` (powers of 1000)."""
+    if n < 1000:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 999.95 or unit == "TB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _unlink(path: Path) -> bool:
+    """Removes `path`; whether it was removed here (cleaning is a courtesy: a failure must not fail the caller)."""
+    try:
+        path.unlink()
+    except OSError:  # missing: another rank removed it first; or not ours to remove
+        return False
+    return True
+
+
+def _remove_temporaries(folder: Path, names: list[str]) -> list[str]:
+    """Removes the temporaries among `names` (in `folder`) whose writers are gone; describes each removed."""
+    removed = []
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if m is not None and _writer_gone(m, folder / name):
+            size = _size(folder / name)
+            if _unlink(folder / name):
+                removed.append(f"temporary {str(folder / name)!r} ({format_bytes(size)})")
+    return removed
+
+
+def _remove_abandoned(folder: Path, names: list[str]) -> list[str]:
+    """Removes tag folder `folder` when a killed save left it without meta.json; describes what was removed.
+
+    Only a folder with markers, all of writers that are gone: a folder without markers was not written by this
+    version's save, or its writer has made it and not yet marked it. A complete folder loses stale markers only.
+    """
+    markers = [m for m in map(_MARKER.fullmatch, names) if m is not None]
+    if not markers or not all(_writer_gone(m, folder / m.string) for m in markers):
+        return []
+    if "meta.json" in names:  # its writers were killed after finishing it
+        for m in markers:
+            _unlink(folder / m.string)
+        return []
+    shards = sorted(n for n in names if SHARD_NAME.fullmatch(n))
+    size = sum(_size(folder / n) for n in shards)
+    for name in names:  # shards, markers and temporaries; anything else someone put there stays
+        if SHARD_NAME.fullmatch(name) or _MARKER.fullmatch(name) or _TEMP.fullmatch(name):
+            _unlink(folder / name)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+    if not shards:  # markers only: nothing worth a line
+        return []
+    return [f"incomplete checkpoint {folder.name!r} ({', '.join(shards)}, {format_bytes(size)}; no meta.json)"]
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Removes what saves that did not finish left in `directory`: temporaries and incomplete tag folders.
+
+    A file or folder goes only when its writers are certainly gone (see the module's docstring), so a rank
+    never removes what another rank or job is writing. One notice lists what was removed.
+    """
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    removed = _remove_temporaries(directory, [p.name for p in entries if p.name.startswith(".")])
+    folders = [p for p in entries if p.is_dir() and not p.is_symlink()]
+    for folder in folders:
+        try:
+            names = [p.name for p in folder.iterdir()]
+        except OSError:  # removed meanwhile, or unreadable: nothing of ours to clean there
+            continue
+        removed += _remove_temporaries(folder, [n for n in names if n.startswith(".")])
+        removed += _remove_abandoned(folder, [n for n in names if (folder / n).exists()])
+    if removed:
+        notice("removed what interrupted checkpoint saves left in %s: %s", directory, "; ".join(removed))
+
+
+def mark_saving(folder: Path) -> Path:
+    """Puts this process's marker into tag folder `folder`: it is being written until `finish_saving`."""
+    marker = folder / f".saving{os.getpid()}@{_host()}"
+    _saving.add(marker)
+    try:
+        with open(marker, "wb"):
+            pass
+    except BaseException:
+        _saving.discard(marker)
+        raise
+    return marker
+
+
+def finish_saving(marker: Path, *, remove: bool) -> None:
+    """Ends the save `marker` stands for; a kept marker lets `remove_leftovers` take its incomplete folder."""
+    _saving.discard(marker)
+    if remove:
+        _unlink(marker)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_temp(tmp: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Writes `tmp` through `write` and flushes it to disk; on any failure `tmp` is gone."""
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def rename_into_place(tmp: Path, path: Path) -> None:
+    """Renames the flushed `tmp` to `path` and makes the rename durable; on failure `tmp` is gone."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    if tmp.parent != path.parent:
+        _fsync_dir(tmp.parent)
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Writes `path` through `write` under a temporary name, then renames it into place."""
+    tmp = temp_path(path.parent, path.name)
+    write_temp(tmp, write)
+    rename_into_place(tmp, path)
+
+
+def save_to_stream(obj: Any, f: IO[bytes]) -> None:
+    """``torch.save(obj, f)``, raising what the stream raised instead of torch's error about it.
+
+    torch's writer turns an exception raised by ``f.write`` (a KeyboardInterrupt from Ctrl-C, an OSError such
+    as a full disk) into ``RuntimeError: [enforce fail at inline_container.cc]``, which ``except
+    KeyboardInterrupt`` does not catch; the original is found in that error's context and raised again.
+    """
+    try:
+        torch.save(obj, f)
+        return
+    except Exception as exc:
+        origin = exc.__cause__ or exc.__context__
+        while origin is not None and not isinstance(origin, (OSError, KeyboardInterrupt)):
+            origin = origin.__cause__ or origin.__context__
+        if origin is None or isinstance(exc, OSError):
+            raise
+    raise origin  # outside the except block: not chained to torch's error
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """Creates `path` and its missing parents; returns the folders this call created, outermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    created = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:  # another rank made it: not ours to remove
+            continue
+        created.append(folder)
+    return created
+
+
+def remove_created(paths: list[Path]) -> None:
+    """Undoes a failed save: removes its new files, then its new folders if they are empty."""
+    for p in reversed(paths):
+        try:
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()  # fails when not empty: another rank's shard keeps the folder
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+_NOT_WRITABLE = {errno.EACCES: "is not writable", errno.EPERM: "is not writable", errno.EROFS: "is read-only"}
+
+
+def unwritable_error(exc: OSError, directory: Path) -> OSError | None:
+    """For an OSError saying a folder may not be written (EACCES, EPERM, EROFS), one that names the checkpoint
+    directory the caller gave, the folder that refused and the fix, rather than a temporary's name; else None."""
+    if exc.errno not in _NOT_WRITABLE:
+        return None
+    given = Path(os.path.abspath(directory))
+    named = isinstance(exc.filename, (str, bytes, os.PathLike))
+    refused = Path(os.path.abspath(os.fsdecode(exc.filename))).parent if named else given
+    what = f"{_NOT_WRITABLE[exc.errno]} ({exc.strerror or os.strerror(exc.errno)})"
+    if exc.errno == errno.EROFS:
+        fix = "pass a directory on a writable file system"
+    else:
+        fix = f"make it writable for this user (e.g. chmod u+rwx {str(refused)!r}) or pass a directory you can write to"
+    if refused == given:
+        message = f"the checkpoint directory {str(directory)!r} {what}: {fix}"
+    elif given.is_relative_to(refused):
+        message = f"cannot create the checkpoint directory {str(directory)!r}: {str(refused)!r} {what}: {fix}"
+    else:
+        message = f"{str(refused)!r} in the checkpoint directory {str(directory)!r} {what}: {fix}"
+    return OSError(exc.errno, message)  # PermissionError for EACCES and EPERM
+
+
+def size_error(tag: str, path: Path, found: int, recorded: int) -> CheckpointError:
+    """The refusal of shard `path` of checkpoint `tag` whose size is not the one its meta.json records."""
+    return CheckpointError(
+        f"checkpoint {tag!r}: shard {path} is {found} bytes, its meta.json records {recorded}: the shard is "
+        "truncated or corrupt, or was replaced after saving; load another tag, or restore the shard"
+    )
+
+
+def hash_error(tag: str, path: Path, found: str, recorded: str, size: int) -> CheckpointError:
+    """The refusal of shard `path` of checkpoint `tag` (of the recorded `size`) whose sha256 is not the recorded."""
+    return CheckpointError(
+        f"checkpoint {tag!r}: shard {path} has sha256 {found}, its meta.json records {recorded} (the size, {size} "
+        "bytes, matches): the shard is corrupt or was replaced after saving; load another tag, or restore the shard"
+    )
+
+
+def read_verified(f: IO[bytes], tag: str, path: Path, expected: dict[str, Any]) -> bytes:
+    """All of shard `f` (`path`, of checkpoint `tag`), its size and sha256 checked against meta.json's `expected`."""
+    data = f.read()
+    if len(data) != expected["bytes"]:
+        raise size_error(tag, path, len(data), expected["bytes"])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected["sha256"]:
+        raise hash_error(tag, path, digest, expected["sha256"], len(data))
+    return data
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of the file at `path`, read in blocks (of HASH_BLOCK bytes: little memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _tags(directory: Path) -> tuple[list[str], list[str]]:
+    """The complete tags in `directory` (with meta.json, oldest first) and the incomplete ones (shards only)."""
+    complete: list[tuple[float, str]] = []
+    incomplete: list[str] = []
+    try:
+        folders = sorted(p for p in directory.iterdir() if p.is_dir())
+    except OSError:
+        return [], []
+    for p in folders:
+        meta_path = p / "meta.json"
+        try:
+            if meta_path.is_file():
+                complete.append((meta_path.stat().st_mtime, p.name))
+            elif any(SHARD_NAME.fullmatch(q.name) for q in p.iterdir()):
+                incomplete.append(p.name)
+        except OSError:  # removed meanwhile, or unreadable: the hint lists what can be read
+            continue
+    return [name for _, name in sorted(complete)], incomplete
+
+
+def _tag_hint(directory: Path) -> str:
+    """Which tags `directory` holds, and how to pick one."""
+    complete, incomplete = _tags(directory)
+    if complete:
+        hint = f"complete checkpoints there, oldest first: {complete}; pass one as tag=, e.g. tag={complete[-1]!r}"
+    else:
+        hint = f"there is no complete checkpoint (tag folder with meta.json) in {str(directory)!r}"
+    if incomplete:
+        hint += f" (incomplete, never finished: {incomplete})"
+    return hint
+
+
+def _check_directory(directory: Path) -> None:
+    """CheckpointError naming the mistake when `directory` is not a checkpoint directory, and the fix."""
+    if not directory.exists():
+        raise CheckpointError(
+            f"{str(directory)!r} does not exist: pass the directory given to save_checkpoint (the folder that "
+            "holds 'latest' and the tag folders)"
+        )
+    if not directory.is_dir():
+        if SHARD_NAME.fullmatch(directory.name) or directory.name == "meta.json":
+            kind = "shard" if directory.name != "meta.json" else "metadata"
+            raise CheckpointError(
+                f"{str(directory)!r} is a {kind} file of checkpoint {directory.parent.name!r}; pass the checkpoint "
+                f"directory {str(directory.parent.parent)!r} and tag={directory.parent.name!r}"
+            )
+        if directory.name == "latest":
+            raise CheckpointError(f"{str(directory)!r} is the 'latest' file; pass its folder {str(directory.parent)!r}")
+        raise CheckpointError(
+            f"{str(directory)!r} is a file, not a checkpoint directory: pass the directory given to save_checkpoint"
+        )
+    looks_like_tag = (directory / "meta.json").is_file() or any(
+        SHARD_NAME.fullmatch(p.name) for p in directory.iterdir()
+    )
+    if looks_like_tag and not (directory / "latest").exists():
+        raise CheckpointError(
+            f"{str(directory)!r} is a checkpoint tag folder; pass its parent {str(directory.parent)!r} as the "
+            f"directory and tag={directory.name!r}"
+        )
+
+
+def _check_meta(meta_path: Path, info: Any) -> None:
+    """CheckpointError naming the key of meta.json that is missing or bad, and what was expected."""
+
+    def bad(key: str, expected: str, value: Any = None, missing: bool = False) -> CheckpointError:
+        found = "missing" if missing else f"{value!r}"[:80]
+        return CheckpointError(f"{meta_path}: {key} is {found}; expected {expected}. {DAMAGED}")
+
+    if not isinstance(info, dict):
+        raise bad("the top level", "a JSON object with 'world_size' and 'shards'", info)
+    ws_expected = "the number of ranks that saved it (an integer >= 1)"
+    if "world_size" not in info:
+        raise bad("'world_size'", ws_expected, missing=True)
+    world = info["world_size"]
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise bad("'world_size'", ws_expected, world)
+    shards_expected = (
+        'an object mapping each shard file to its size and hash, {"rank0.pt": {"bytes": ..., "sha256": ...}}'
+    )
+    if "shards" not in info:
+        raise bad("'shards'", shards_expected, missing=True)
+    shards = info["shards"]
+    if not isinstance(shards, dict) or not shards:
+        raise bad("'shards'", shards_expected, shards)
+    for name, entry in shards.items():
+        where = f"'shards'[{name!r}]"
+        if not SHARD_NAME.fullmatch(name):
+            raise bad(f"the key {name!r} of 'shards'", "a shard file name rank<r>.pt", name)
+        if not isinstance(entry, dict):
+            raise bad(where, 'an object {"bytes": ..., "sha256": ...}', entry)
+        size = entry.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"{where}['bytes']", "the shard's size (an integer >= 0)", size, missing="bytes" not in entry)
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise bad(f"{where}['sha256']", "64 lowercase hex digits", digest, missing="sha256" not in entry)
+    if not isinstance(info.get("meta", {}), dict):
+        raise bad("'meta'", "an object (the caller's metadata)", info["meta"])
+
+
+def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The tag (``latest`` when None) and its metadata, checked; CheckpointError naming the problem and the fix."""
+    directory = Path(directory)
+    _check_directory(directory)
+    named_by = ""
+    if tag is None:
+        latest = directory / "latest"
+        if not latest.is_file():
+            complete, incomplete = _tags(directory)
+            if not complete:
+                raise CheckpointError(
+                    f"no checkpoint in {str(directory)!r}: no 'latest' file and no complete tag folder (one with "
+                    f"meta.json){f'; incomplete, never finished: {incomplete}' if incomplete else ''}: pass the "
+                    "directory given to save_checkpoint"
+                )
+            raise CheckpointError(
+                f"no 'latest' file in {str(directory)!r} (save_checkpoint writes it last); {_tag_hint(directory)}"
+            )
+        tag = latest.read_text().strip()
+        if not tag:
+            raise CheckpointError(f"{latest} is empty; {_tag_hint(directory)}")
+        named_by = f"{latest} names {tag!r}, but "
+    folder = directory / tag
+    meta_path = folder / "meta.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{named_by}checkpoint {tag!r} in {str(directory)!r} is incomplete (no meta.json): it was never "
+            f"finished; load another tag: {_tag_hint(directory)}"
+        )
+    try:
+        info = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({exc}). {DAMAGED}") from exc
+    _check_meta(meta_path, info)
+    return tag, info

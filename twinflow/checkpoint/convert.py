@@ -1,0 +1,230 @@
+"""A compact checkpoint's optimizer state in torch.optim's layout: decoded in memory, or streamed to a file.
+
+    python -m twinflow.checkpoint.convert CKPT_DIR TAG OUT.pt [--rank R]
+
+reads rank R's shard (default 0) of checkpoint TAG (``latest``: the tag the ``latest`` file names) in CKPT_DIR,
+verifies it as :func:`twinflow.checkpoint.checkpoint.load_checkpoint` does (its size and sha256 against meta.json, every
+record against the shard's head), and writes to OUT.pt the state dict that ``optimizer.state_dict()`` of the
+TwinFlowAdam that saved it returned at the save: per parameter index ``step`` (a float32 scalar tensor),
+``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape) and, for a bfloat16 or float16 parameter,
+``master`` (float32); and ``param_groups``. ``torch.optim.AdamW.load_state_dict`` takes it (and ignores
+``master``). OUT.pt is written under a temporary name beside it, flushed to disk and renamed into place.
+
+Memory: OUT.pt is first written without its tensors' bytes (``torch.serialization.skip_data``: its float32
+tensors are allocated, never touched, so they take address space, not memory); the file offset of each
+tensor's bytes is then found (:func:`storage_offsets`), and each record of the shard is decoded a batch of
+65536 elements at a time and written in place with ``os.pwrite``. So the peak extra host memory is one frame
+of the shard (its bytes and its tensors: at most 2 x 6 bytes x ``record_elements``, 3/8 of the saving
+optimizer's ``chunk_bytes``) and one batch's decoding (about 3 MiB), whatever the size of the model. The zip
+records' CRC-32 fields of OUT.pt stay those of the empty tensors: ``torch.load`` does not check them (zip
+tools would). The shard of another optimizer (any but a compact TwinFlowAdam) holds torch.optim's layout
+already: its ``optimizer`` entry is copied through a memory map of the shard, without this bound.
+
+:func:`decoded` gives the same in memory (12 bytes a parameter, not bounded): what load_checkpoint hands an
+optimizer that does not take the compact records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from twinflow.checkpoint.checkpoint_files import (
+    CheckpointError,
+    format_bytes,
+    hash_error,
+    read_meta,
+    rename_into_place,
+    save_to_stream,
+    sha256_of,
+    size_error,
+    temp_path,
+    write_temp,
+)
+from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.precision import compact
+from twinflow.precision.compact import BLOCK, blocks
+
+
+def decode_record(record: list, payload: list[torch.Tensor]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """A state record decoded to float32, a batch at a time: (key, first element in the parameter, values)."""
+    _, _, start, end, form = record
+    step = convert_elements(torch.device("cpu"))  # a multiple of the block
+    for a in range(0, end - start, step):
+        b = min(end - start, a + step)
+        scales = slice(a // BLOCK, blocks(b))
+        yield "exp_avg", start + a, compact.decode_exp_avg(payload[0][a:b], payload[1][scales])
+        yield "exp_avg_sq", start + a, compact.decode_exp_avg_sq(payload[2][a:b], payload[3][scales])
+        if form != "none":
+            master = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
+            yield "master", start + a, master
+
+
+def entry_skeleton(shard: CompactShard, i: int, make: Any = torch.zeros) -> dict[str, torch.Tensor]:
+    """Parameter i's entry in torch.optim's layout (as TwinFlowAdam's ``state_dict()`` has it), its float32
+    tensors made by ``make(shape, dtype=torch.float32)``."""
+    shape, dtype, step = shard.params[i]
+    keys = ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32 else ())
+    return {"step": torch.tensor(float(step))} | {key: make(shape, dtype=torch.float32) for key in keys}
+
+
+def decoded(shard: CompactShard) -> dict[str, Any]:
+    """The verified `shard` in the layout of other optimizers' shards, in memory: the model's tensors and a
+    torch.optim state dict of float32 moments and masters (12 bytes a parameter: not bounded)."""
+    model = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in shard.model}
+    state = {i: entry_skeleton(shard, i) for i, (_, _, step) in enumerate(shard.params) if step is not None}
+    flats = [t.view(-1) for t in model.values()]
+    for record, payload in shard.frames():
+        if record[0] == "model":
+            flats[record[1]][record[2] : record[3]].copy_(payload)
+            continue
+        for key, at, values in decode_record(record, payload):
+            state[record[1]][key].view(-1)[at : at + values.numel()].copy_(values)
+    optimizer = {"state": state, "param_groups": shard.head["param_groups"]}
+    return {"model": model, "optimizer": optimizer, "scheduler": shard.scheduler, "extra": shard.extra}
+
+
+def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `obj` (dicts, lists and tuples of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from tensors_of(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_of(value)
+
+
+def storage_offsets(path: Path, obj: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor of `obj` that has bytes, just saved to `path`, with the file offset of its storage's bytes.
+
+    The file is loaded memory-mapped (nothing is read): each storage then lies at its zip record's offset from
+    one base address. Sorted by address and by offset, storages and records pair up; every distance and size is
+    checked, so a torch that maps its files otherwise is refused (RuntimeError), never written to wrong places.
+    """
+    loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    ours, theirs = list(tensors_of(obj)), list(tensors_of(loaded))
+    if len(ours) != len(theirs):
+        raise RuntimeError(f"{path}: {len(theirs)} tensors read back, {len(ours)} saved")
+    pairs = [(t, u.untyped_storage()) for t, u in zip(ours, theirs) if t.untyped_storage().nbytes()]
+    records = []
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        for info in archive.infolist():
+            folder, _, name = info.filename.rpartition("/")
+            if folder.rpartition("/")[2] == "data" and name.isdigit() and info.file_size:
+                f.seek(info.header_offset)
+                local = f.read(30)
+                if local[:4] != b"PK\x03\x04":
+                    raise RuntimeError(f"{path}: no zip header at byte {info.header_offset}")
+                names, extra = struct.unpack("<HH", local[26:30])
+                records.append((info.header_offset + 30 + names + extra, info.file_size))
+    storages = sorted({s.data_ptr(): s.nbytes() for _, s in pairs}.items())
+    records.sort()
+    if len(storages) != len(records) or any(
+        p - storages[0][0] != o - records[0][0] or size != length for (p, size), (o, length) in zip(storages, records)
+    ):
+        raise RuntimeError(
+            f"{path}: this torch's memory-mapped load does not place storages at their records' offsets; "
+            "convert with a torch version that does (2.1 and later)"
+        )
+    base = storages[0][0] - records[0][0] if storages else 0
+    return [(t, s.data_ptr() - base) for t, s in pairs]
+
+
+def _pwrite_all(fd: int, array: Any, offset: int) -> None:
+    view = memoryview(array).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
+    """Writes the verified `shard`'s optimizer state, in torch.optim's layout, to `f` (the file at `path`): the
+    skeleton first, then each record decoded in place (module docstring)."""
+    state, placeholders = {}, {}
+    for i, (_, _, step) in enumerate(shard.params):
+        if step is not None:
+            state[i] = entry_skeleton(shard, i, torch.empty)  # address space only: never touched
+            placeholders.update({id(t): (i, key) for key, t in state[i].items() if key != "step"})
+    skeleton = {"state": state, "param_groups": shard.head["param_groups"]}
+    with torch.serialization.skip_data():
+        save_to_stream(skeleton, f)
+    f.flush()
+    where = {}
+    for t, offset in storage_offsets(path, skeleton):
+        if id(t) in placeholders:
+            where[placeholders[id(t)]] = offset
+        else:  # the step counts, and any tensor in the param groups: their bytes, whole
+            _pwrite_all(f.fileno(), torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy(), offset)
+    del skeleton, state
+    for record, payload in shard.frames(("state",)):
+        for key, at, values in decode_record(record, payload):
+            _pwrite_all(f.fileno(), values.contiguous().numpy(), where[(record[1], key)] + 4 * at)
+
+
+def convert(directory: str | Path, tag: str | None, out: str | Path, rank: int = 0) -> Path:
+    """Writes rank `rank`'s optimizer state of checkpoint `tag` (None or "latest": the latest) in `directory`
+    to `out`, in torch.optim's layout (module docstring); CheckpointError naming what is wrong. Returns `out`."""
+    directory, out = Path(directory), Path(out)
+    tag, info = read_meta(directory, None if tag == "latest" else tag)
+    path = directory / tag / f"rank{rank}.pt"
+    expected = info["shards"].get(path.name)
+    if expected is None:
+        raise CheckpointError(
+            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
+            "rank of one of them, e.g. --rank 0"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise size_error(tag, path, size, expected["bytes"])
+    tmp = temp_path(out.parent, out.name)
+    with open(path, "rb") as f:
+        if is_compact(f):
+            shard = CompactShard(f, expected, tag, path)
+            write_temp(tmp, lambda g: write_state_dict(g, tmp, shard))
+        else:
+            found = sha256_of(path)
+            if found != expected["sha256"]:
+                raise hash_error(tag, path, found, expected["sha256"], size)
+            whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            if not isinstance(whole, dict) or not isinstance(whole.get("optimizer"), dict):
+                raise CheckpointError(f"checkpoint {tag!r}, shard {path}: it holds no optimizer state dict")
+            write_temp(tmp, lambda g: save_to_stream(whole["optimizer"], g))
+    rename_into_place(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m twinflow.checkpoint.convert",
+        description="Writes a twinflow checkpoint's optimizer state as a torch.optim state dict (float32 "
+        "exp_avg, exp_avg_sq, step; master for bf16/fp16 parameters), streamed with bounded memory.",
+    )
+    parser.add_argument("directory", help="the checkpoint directory (the one given to save_checkpoint)")
+    parser.add_argument("tag", help="the checkpoint's tag, or 'latest'")
+    parser.add_argument("out", help="the file to write (read it with torch.load)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose shard to convert (default 0)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.directory, args.tag, args.out, args.rank)
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
