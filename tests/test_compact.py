@@ -267,7 +267,7 @@ def test_state_precision_set_after_steps_converts_the_state_at_the_next_step(att
     opt = switched[2]
     assert opt.state_precision == precision
     assert opt.split_summary["cpu"]["state_precision"] == opt.split_summary["device"]["state_precision"] == precision
-    assert opt.coordinator.speculation.precision == precision
+    assert opt.coordinator.speculation.precision.name == precision
     assert switched[0] == loaded[0]
     for a, b in zip(switched[1], loaded[1]):
         assert torch.equal(a, b)

@@ -184,6 +184,69 @@ def test_each_sub_package_stands_on_few_levels_inside(package: str) -> None:
     assert max(floors.values(), default=0) <= MAX_LEVELS_INSIDE, sorted(floors.items(), key=lambda kv: -kv[1])
 
 
+# --- Resolved once: a precision or a mode is an object behind an interface, not a string tested where used ---
+
+PRECISION_NAMES = frozenset({"fp32", "int8", "int8_m24"})
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants of an expression, and of the elements of a tuple, list or set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _named(node: ast.AST) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def precision_tests(source: str) -> list[int]:
+    """Lines comparing a value with a precision's name ("fp32", "int8", "int8_m24")."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+                  and any(_strings(x) & PRECISION_NAMES for x in [node.left, *node.comparators]))  # fmt: skip
+
+
+def mode_parses(source: str) -> list[int]:
+    """Lines that read a mode out of a string: a ``*mode*`` name compared with a string or a string's
+    ``startswith``/``endswith``, or a dict keyed by strings subscripted with it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any("mode" in _named(x).lower() for x in sides) and any(_strings(x) for x in sides):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Call) and _named(node.func) in ("startswith", "endswith"):
+            if isinstance(node.func, ast.Attribute) and "mode" in _named(node.func.value).lower():
+                found.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict) and "mode" in _named(node.slice):
+            if any(_strings(k) for k in node.value.keys if k is not None):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_resolved_once_checks_catch_their_examples() -> None:
+    assert precision_tests('a = x == "fp32"\nb = p in ("int8", "int8_m24")\nc = form == "m24"\n') == [1, 2]
+    parsed = 'if mode.startswith("spec"):\n    pass\nm = {"exact": 1}[mode]\nok = step_mode is EXACT\n'
+    assert mode_parses(parsed + 'x = mode == "delayed"\n') == [1, 3, 5]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("twinflow.precision")))
+def test_no_precision_name_is_compared_outside_the_precision_package(module: str) -> None:
+    """A state precision is a :class:`twinflow.precision.state_precision.StatePrecision`, resolved from its name
+    where the state is built; the code asks it (``coded_moments``, ``masters24``, ``exact``) instead."""
+    lines = precision_tests(MODULES[module].read_text())
+    assert not lines, f"{module} compares a precision's name at lines {lines}; ask the StatePrecision instead"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_mode_is_parsed_from_a_string(module: str) -> None:
+    """The coordinator hands the CPU side a :class:`twinflow.host.step_record.StepMode`, never a string."""
+    lines = mode_parses(MODULES[module].read_text())
+    assert not lines, f"{module} reads a mode out of a string at lines {lines}; pass a StepMode"
+
+
 # --- Size: a class fits in one reading, a module holds one job -------------------------------------------
 
 MAX_CLASS_LINES = 300

@@ -23,7 +23,7 @@ from twinflow.plan import (
     predict_peak,
     predict_time,
 )
-from twinflow.precision import compact
+from twinflow.precision import state_precision
 
 GIB = 1 << 30
 
@@ -344,7 +344,7 @@ def test_no_ratio_in_both_memories_is_an_error_that_names_the_compact_precisions
     # the device: (1 - r) 13e9 x 12 bytes of state on top of 60 GiB within 72 GiB; the host: 88 GiB / 13e9 / bytes
     assert "needs ratio at least 0.92" in message and "holds ratio at most 0.51" in message, message
     for precision in ("int8", "int8_m24"):
-        device = compact.device_bytes_per_element(precision, torch.bfloat16)  # 6.0 and 3.0 (+ 2/256)
+        device = state_precision.of(precision).device_bytes(torch.bfloat16)  # 6.0 and 3.0 (+ 2/256)
         host = host_bytes_per_element(precision, 2, False, False)  # 8.0 and 7.0
         other = inputs(**(asdict(x) | dict(state_bytes_per_element=device, host_bytes_per_element=host,
                                            state_precision=precision)))  # fmt: skip

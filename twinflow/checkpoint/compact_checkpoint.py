@@ -64,7 +64,9 @@ MAGIC = b"twinflow compact shard 1\n"
 VERSION = 1
 _MASK = (1 << 64) - 1
 CODE_DTYPES = (torch.int8, torch.uint8, torch.uint8, torch.uint8)  # exp_avg codes, scales; exp_avg_sq's
-MASTER_DTYPES = {"none": (), "fp32": (torch.float32,), "m24": (torch.bfloat16, torch.uint8)}
+# The forms a record's master is written in (words of the file format, not state precisions)
+FORM_NONE, FORM_FP32, FORM_M24 = "none", "fp32", "m24"
+MASTER_DTYPES = {FORM_NONE: (), FORM_FP32: (torch.float32,), FORM_M24: (torch.bfloat16, torch.uint8)}
 
 
 def convert_elements(device: torch.device) -> int:
@@ -84,7 +86,7 @@ def writes_compact(optimizer: torch.optim.Optimizer) -> bool:
     if not isinstance(optimizer, TwinFlowAdam):
         return False
     split = optimizer.coordinator.split
-    return split.built and split.precision != "fp32"
+    return split.built and split.precision.coded_moments
 
 
 def is_compact(f: IO[bytes]) -> bool:
@@ -205,7 +207,7 @@ def write_record(parts: list[Part], start: int, end: int, form: str, payload: li
 
 
 def _write_master(part: Part, p0: int, p1: int, form: str, master: list[torch.Tensor], r0: int) -> None:
-    if (form, part.kind) in (("m24", "m24"), ("fp32", "fp32")):
+    if form == part.kind:  # a master of the same form (m24, or fp32): its bits
         for dst, src in zip(part.master, master):
             dst[p0:p1].copy_(src[r0 : r0 + p1 - p0])
         return
@@ -220,7 +222,7 @@ def _write_master(part: Part, p0: int, p1: int, form: str, master: list[torch.Te
             hi, lo = (t[s].to(device) for t in master)
         else:
             value = (compact.decode_master(master[0][s], master[1][s]) if form == "m24"
-                     else master[0][s] if form == "fp32" else part.weight[x:y].float())  # fmt: skip
+                     else master[0][s] if form == FORM_FP32 else part.weight[x:y].float())  # fmt: skip
             if part.kind == "m24":
                 compact.Master24(part.master[0][x:y], part.master[1][x:y]).copy_(value)  # to the nearest, as a load
                 continue
@@ -276,7 +278,7 @@ def write(f: IO[bytes], *, model: dict[str, torch.Tensor], optimizer: TwinFlowAd
             sources.append((form, slices))
     steps = [split.steps[i] if split.stepped(i) else None for i in range(len(split.params))]
     head = {
-        "version": VERSION, "precision": split.precision, "record_elements": span,
+        "version": VERSION, "precision": split.precision.name, "record_elements": span,
         "model": [[key, list(t.shape), str(t.dtype).removeprefix("torch.")] for key, t in model.items()],
         "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), s] for p, s in zip(split.locals, steps)],
         "param_groups": packed_groups(optimizer.param_groups), "scheduler": scheduler, "extra": extra,

@@ -30,6 +30,8 @@ import torch
 
 from twinflow.base.partition import Segment
 from twinflow.precision import compact, compact_step, weight_master
+from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_precision import StatePrecision
 
 log = logging.getLogger(__name__)
 BATCH = 1 << 24  # elements a step, a read or a write handles at once: a multiple of the block (bounded scratch)
@@ -64,10 +66,10 @@ class CompactSegment:
         return (self.master if self.master is not None else self.weight)[a:b]
 
 
-def new_segment(seg: Segment, flat: torch.Tensor, precision: str) -> CompactSegment:
+def new_segment(seg: Segment, flat: torch.Tensor, precision: StatePrecision) -> CompactSegment:
     """A segment's fresh state: masters from the weights `flat` (its elements), moments zero."""
     residual = master = None
-    if flat.dtype == torch.bfloat16 and precision == "int8_m24":
+    if precision.weight_is_master(flat.dtype):
         residual = torch.zeros(seg.numel, dtype=torch.int8, device=flat.device)  # the weight is the master
     elif flat.dtype != F32:
         master = flat.float()
@@ -175,7 +177,8 @@ def warm_up(states: list[CompactSegment], residual_step: Callable, master_step: 
 class CompactDeviceState:
     """The device side's compact masters, moments and step counts, per segment: the only owner of those tensors."""
 
-    def __init__(self, segments: list[Segment], weights: list[torch.Tensor], precision: str) -> None:
+    def __init__(self, segments: list[Segment], weights: list[torch.Tensor], precision: StatePrecision | str) -> None:
+        precision = precisions.of(precision)
         self.weights = weights
         self.states = [new_segment(seg, weights[seg.index].view(-1)[seg.start : seg.end], precision)
                        for seg in segments]  # fmt: skip

@@ -32,7 +32,7 @@ from twinflow.host.executor import CpuExecutor
 from twinflow.host.host_modes import DelayedMode, ExactMode, SpeculativeMode
 from twinflow.host.host_state import HostState
 from twinflow.host.staging import Piece, Staging
-from twinflow.host.step_record import Phase, StepArgs, StepRecord
+from twinflow.host.step_record import EXACT, Phase, StepArgs, StepMode, StepRecord, Way
 from twinflow.host.weights_first import WeightsFirstMode
 
 
@@ -91,21 +91,19 @@ class HostSide:
         return self.staging.pinned_bytes
 
     # ---------------------------------------------------------------- a step
-    def open(self, args: StepArgs | None, mode: str = "exact") -> None:
-        """Starts a step's downloads in `mode` ("exact", "weights_first", "speculative", "speculative+weights_first"
-        (its redo new weights first) or "delayed"); with `args` the worker may step chunks as soon as they are
-        down."""
+    def open(self, args: StepArgs | None, mode: StepMode = EXACT) -> None:
+        """Starts a step's downloads in `mode`; with `args` the worker may step chunks as soon as they are down."""
         self.finish()
-        if mode.startswith(("speculative", "delayed")):  # they read or swap the state's and gradients' second sets
+        if mode.second_sets:
             with self.executor.condition:
                 self.weights_first.wait()
         elif args is not None and self.delayed.pending:  # eager chunks would step before the late job
             with self.executor.condition:
                 self.delayed.wait_kernel()
         self.weights_first.open_step()  # may move this step's gradients to the other buffer set
-        self.speculative.first = mode == "speculative+weights_first"
-        self.mode = {"exact": self.exact, "weights_first": self.weights_first, "speculative": self.speculative,
-                     "speculative+weights_first": self.speculative, "delayed": self.delayed}[mode]  # fmt: skip
+        self.speculative.first = mode.redo_weights_first
+        self.mode = {Way.EXACT: self.exact, Way.WEIGHTS_FIRST: self.weights_first, Way.SPECULATIVE: self.speculative,
+                     Way.DELAYED: self.delayed}[mode.way]  # fmt: skip
         self.mode.prepare(args)
         with self.executor.condition:
             self.executor.raise_error()
@@ -347,7 +345,7 @@ class NoHost:
     last_scale = released_args = timeline = None
     late_pending = False
 
-    def open(self, args: StepArgs | None, mode: str = "exact") -> None:
+    def open(self, args: StepArgs | None, mode: StepMode = EXACT) -> None:
         pass
 
     def seal(self, args: StepArgs, scale: Callable[[], Any]) -> StepArgs:

@@ -23,6 +23,8 @@ import torch
 from twinflow.host import ops
 from twinflow.host.staging import Piece, by_param
 from twinflow.precision import compact
+from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_precision import StatePrecision
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KEYS = ("master",) + MOMENTS  # a piece's state, in the kernel's order
@@ -137,11 +139,13 @@ class Int8Codec:
 class HostState:
     """Masters and moments of the CPU share's pieces, in the codec of `precision`; which set is current."""
 
-    def __init__(self, pieces: list[Piece], precision: str) -> None:
+    def __init__(self, pieces: list[Piece], precision: StatePrecision | str) -> None:
         total = sum(pc.numel for pc in pieces)
         self.pieces = pieces
-        self.codec = Fp32Codec(total, pieces) if precision == "fp32" else Int8Codec(total, pieces,
-                                                                                   precision == "int8_m24")  # fmt: skip
+        precision = precisions.of(precision)
+        self.codec = (
+            Int8Codec(total, pieces, precision.masters24) if precision.coded_moments else Fp32Codec(total, pieces)
+        )
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
         self.pieces_of = by_param(pieces)
         self.span = {i: (pcs[0].start, pcs[-1].end, pcs[0].state_offset) for i, pcs in self.pieces_of.items()}

@@ -15,6 +15,37 @@ class Phase(enum.Enum):
     SEALED = "sealed"  # every gradient known; chunks may still be stepping or uploading
 
 
+class Way(enum.Enum):
+    """The CPU share's strategy for one step (:mod:`twinflow.host.host_modes`, :mod:`twinflow.host.weights_first`)."""
+
+    EXACT = "exact"
+    WEIGHTS_FIRST = "weights_first"
+    SPECULATIVE = "speculative"
+    DELAYED = "delayed"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """How the CPU share runs one step, decided once by the coordinator and handed to the CPU side as it is: the
+    strategy, and whether speculation's redo of a clipped step writes the new weights first."""
+
+    way: Way = Way.EXACT
+    redo_weights_first: bool = False
+
+    @property
+    def name(self) -> str:
+        """As people read it: "exact", "weights_first", "speculative", "speculative+weights_first" or "delayed"."""
+        return self.way.value + ("+weights_first" if self.redo_weights_first else "")
+
+    @property
+    def second_sets(self) -> bool:
+        """Whether the step reads or swaps the state's and the gradients' second sets (speculation, delay)."""
+        return self.way in (Way.SPECULATIVE, Way.DELAYED)
+
+
+EXACT = StepMode()
+
+
 # Every move of the phase, and the phases it may start from.
 TRANSITIONS = {
     "open": (Phase.IDLE,),

@@ -30,7 +30,7 @@ from twinflow.optim import offload_states
 from twinflow.optim.overlap import Attachment, resolve
 from twinflow.optim.state_map import ParamState, StateMap
 from twinflow.plan import IterationProbe, explain
-from twinflow.precision.compact import check_state_precision
+from twinflow.precision.state_precision import check_name as check_state_precision
 from twinflow.step.coordinator import Settings, StepCoordinator
 from twinflow.step.split_state import ENTRY_KEYS, check_not_grouped, read_params, validated
 from twinflow.step.step_scale import check_max_grad_norm

@@ -107,7 +107,7 @@ from twinflow.plan.model import (  # the cost model; its names are this package'
     predict_time,
 )
 from twinflow.plan.probes import cpu_kernel_rate, device_adam_rate, pcie_rate, probe_elements
-from twinflow.precision import compact
+from twinflow.precision import state_precision as precisions
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,9 @@ def _no_ratio_message(inputs: Inputs, table: list[dict], on_host: list[dict], de
     holds = f"at most {host_max:.2f}" if host_max is not None else "none, not even 0"
     staging = inputs.grad_bytes / max(inputs.elements, 1)
     options = []
-    for precision in compact.PRECISIONS:
-        if compact.BYTES_PER_ELEMENT[precision] < compact.BYTES_PER_ELEMENT[inputs.state_precision]:
-            options.append(_other_precision(inputs, precision, staging, delayed, speculative))
+    for other in precisions.ALL:
+        if other.host_bytes < precisions.of(inputs.state_precision).host_bytes:
+            options.append(_other_precision(inputs, other.name, staging, delayed, speculative))
     fix = ("; both sides' state can be made smaller (opt-in, not exact): " + "; ".join(options)) if options else ""
     more = _more_gpus(inputs)
     fix += f"; or train on more GPUs: {more}" if more else ""
@@ -415,12 +415,13 @@ class IterationProbe:
         if distributed.multi_process():  # the node's ranks probe the kernel together: they share its memory
             distributed.wait_for_ranks(self.device)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        coded = precisions.of(state_precision).coded_moments
         inputs = Inputs(
             elements=elements,
             grad_bytes=grad_bytes,
             state_bytes_per_element=device_bytes(by_dtype, state_precision),
             # fp32: the upcast batch; compact: the fused step's float32 intermediates of one batch
-            temp_bytes=min(low, upcast_elements) * 4 if state_precision == "fp32" else min(elements, BATCH) * 16,
+            temp_bytes=min(elements, BATCH) * 16 if coded else min(low, upcast_elements) * 4,
             # With "first" the CPU share's gradients come last in backward, after the memory peak may have
             # passed: only "last" counts on their release.
             released_bytes_per_ratio=grad_bytes if release_grads and placement == "last" else 0,

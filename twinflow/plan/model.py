@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twinflow.precision import compact
+from twinflow.precision import state_precision as precisions
 
 _INTERFERENCE = 0.25  # share of a hidden CPU step that still lengthens the step (module docstring)
 # weights first: the peek's and the commit's time against the single pass's, per state precision
@@ -54,15 +54,17 @@ def predict_host(inputs: Inputs, ratio: float) -> float:
 def host_bytes_per_element(precision: str, staging_bytes: float, delayed: bool, speculative: bool) -> float:
     """The CPU share's host memory per element: state in `precision`, pinned staging of `staging_bytes` (the
     parameter's itemsize), twice under the delayed update or speculation, plus speculation's second state set."""
-    speculative = speculative and precision == "fp32"  # compact state never speculates
+    state = precisions.of(precision)
+    speculative = speculative and state.exact  # compact state never speculates
     second_set = 12 if speculative else 0
-    return compact.BYTES_PER_ELEMENT[precision] + staging_bytes * (2 if delayed or speculative else 1) + second_set
+    return state.host_bytes + staging_bytes * (2 if delayed or speculative else 1) + second_set
 
 
 def device_bytes(by_dtype: dict[torch.dtype, int], precision: str) -> float:
     """The device side's state bytes per element in `precision`, averaged over the parameters' dtypes."""
     total = sum(by_dtype.values())
-    return sum(n * compact.device_bytes_per_element(precision, d) for d, n in by_dtype.items()) / max(total, 1)
+    state = precisions.of(precision)
+    return sum(n * state.device_bytes(d) for d, n in by_dtype.items()) / max(total, 1)
 
 
 def predict_peak(inputs: Inputs, ratio: float) -> float:

@@ -21,6 +21,7 @@ import torch
 
 from twinflow.host import ops
 from twinflow.precision import compact
+from twinflow.precision import state_precision as precisions
 
 PROBE_ELEMENTS = 1 << 26  # 1 GiB of fp32 state: well past a 300 MiB L3, which would flatter the kernel
 MIN_PROBE_ELEMENTS = 1 << 20  # below this a call is mostly its fixed cost, which a real step spreads wider
@@ -87,11 +88,12 @@ def cpu_kernel_rate(
     params = [torch.randn(n, generator=gen) for n in sizes]
     grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     extra: dict[str, Any] = {}
-    if state_precision == "fp32":
+    precision = precisions.of(state_precision)
+    if not precision.coded_moments:
         moments, kernel = ([torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]), ops.adam_step_
     else:
         moments, kernel = tuple(zip(*(compact.fresh(n) for n in sizes))), ops.adam_step_q8_
-        if state_precision == "int8_m24":
+        if precision.masters24:
             params, extra = compact.kernel_masters([compact.Master24.empty(n).copy_(p) for n, p in zip(sizes, params)])
     step = [0]
 

@@ -47,32 +47,6 @@ _SALT = 0x2545F491
 _F32 = torch.float32
 
 
-PRECISIONS = ("fp32", "int8", "int8_m24")
-# Host state per CPU-stepped element, each precision's (as float, with the per-block scales).
-BYTES_PER_ELEMENT = {"fp32": 12.0, "int8": 6 + 2 / BLOCK, "int8_m24": 5 + 2 / BLOCK}
-
-
-def device_bytes_per_element(precision: str, dtype: torch.dtype) -> float:
-    """Device memory of the optimizer's state per device-stepped element of a `dtype` parameter in `precision`
-    (:mod:`twinflow.device.device_compact`; a float32 parameter is its own master)."""
-    moments = 8.0 if precision == "fp32" else 2 + 2 / BLOCK
-    if dtype == torch.float32:
-        return moments
-    if precision == "int8_m24" and dtype == torch.bfloat16:
-        return moments + 1  # the residual byte beside the weight
-    return moments + 4  # a float32 master beside the weight
-
-
-def check_state_precision(state_precision: object) -> str:
-    if state_precision not in PRECISIONS:
-        raise ValueError(
-            f"state_precision={state_precision!r}; expected 'fp32' (the default: exact), 'int8' (the CPU share's "
-            "moments in 8 bits with a scale per 256 elements, float32 masters: 6 bytes of host state a parameter "
-            "instead of 12, not exact) or 'int8_m24' (those moments and 24-bit masters: 5 bytes)"
-        )
-    return state_precision
-
-
 def spans(numel: int, size: int = COPY_ELEMENTS) -> list[tuple[int, int]]:
     """[a, b) ranges of at most `size` elements covering `numel` (each `a` a block's start when `size` is a
     multiple of the block): work done a batch at a time keeps its scratch bounded, whatever the tensor."""

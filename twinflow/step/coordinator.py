@@ -20,7 +20,7 @@ import torch
 
 from twinflow.base import distributed
 from twinflow.host.host_side import NO_HOST, HostSide, NoHost
-from twinflow.host.step_record import Phase, StepArgs
+from twinflow.host.step_record import Phase, StepArgs, StepMode, Way
 from twinflow.step.grad_notes import GradNotes, NoNotes
 from twinflow.step.speculation import SpeculationPolicy
 from twinflow.step.split_state import SplitState, sparse_gradient_message, summary
@@ -87,7 +87,7 @@ class StepCoordinator:
         added, a frozen parameter unfrozen or ``state_precision`` changed (not while a step is open, nor before
         ratio='auto' has built the first one)."""
         old, old_host = self.split, self.host
-        changed = self.groups_added or old.needs_rebuild() or old.precision != self.settings.state_precision
+        changed = self.groups_added or old.needs_rebuild() or old.precision.name != self.settings.state_precision
         if self.ratio is None or old.step_open or not changed:
             return False
         self.synchronize()
@@ -120,18 +120,18 @@ class StepCoordinator:
         self.split.absorb_edits()
         return StepArgs.of(self.groups(), [s + 1 for s in self.split.steps])
 
-    def mode(self, speculative: bool) -> str:
+    def mode(self, speculative: bool) -> StepMode:
         """The coming step's mode (the weights-first policy asked once, where it could apply)."""
         if not speculative and self.split.delaying(self.settings.delay_after):
-            return "delayed"
+            return StepMode(Way.DELAYED)
         # weights first where the step waits for its multiplier (not eager): the exact step, or speculation's redo
         first = (self.settings.weights_first and not self.notes.eager and self.host.chunk_count > 0
                  and self.host.weights_first.choose())  # fmt: skip
         if speculative:
-            return "speculative+weights_first" if first else "speculative"
-        return "weights_first" if first else "exact"
+            return StepMode(Way.SPECULATIVE, redo_weights_first=first)
+        return StepMode(Way.WEIGHTS_FIRST if first else Way.EXACT)
 
-    def open_step(self, args: StepArgs | None, mode: str) -> None:
+    def open_step(self, args: StepArgs | None, mode: StepMode) -> None:
         """A step's first gradient is about to go down (`args`: the worker may start at once)."""
         self.host.open(args, mode)  # waits for the last step's writes: the masters are settled
         self.split.absorb_edits(during_step=True)  # before any gradient lands: the worker has not started

@@ -25,14 +25,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_precision import StatePrecision
+
 
 class SpeculationPolicy:
     """Whether a step speculates: asked for, eligible under the attachment, and not while steps keep clipping
     (off once the last `off_after` steps all clipped; back on after one that did not)."""
 
-    def __init__(self, asked: bool, max_grad_norm: float | None, precision: str, delay_after: int | None,
-                 off_after: int = 2) -> None:  # fmt: skip
-        self.asked, self.max_grad_norm, self.precision, self.delay_after = asked, max_grad_norm, precision, delay_after
+    def __init__(self, asked: bool, max_grad_norm: float | None, precision: StatePrecision | str,
+                 delay_after: int | None, off_after: int = 2) -> None:  # fmt: skip
+        self.asked, self.max_grad_norm, self.delay_after = asked, max_grad_norm, delay_after
+        self.precision = precisions.of(precision)  # the state's, as built (the coordinator sets it at each build)
         self.off_after = off_after
         self.clipped_in_a_row = 0
         self.skipped = 0  # steps not speculated because of clipping
@@ -48,7 +52,7 @@ class SpeculationPolicy:
         """Asked for, attached, clipping, not eager, not fp16, fp32 moments (8-bit ones step in place: nothing
         to roll back from)."""
         return (self.asked and self.attached and not self.eager and not self.fp16 and self.max_grad_norm is not None
-                and self.precision == "fp32")  # fmt: skip
+                and self.precision.exact)  # fmt: skip
 
     @property
     def planned(self) -> bool:
@@ -82,8 +86,8 @@ class SpeculationPolicy:
                            "during backward, exactly)")  # fmt: skip
         if self.attached and self.fp16:
             reasons.append("the model has fp16 parameters (each step waits for the overflow check)")
-        if self.precision != "fp32":
-            reasons.append(f"state_precision={self.precision!r} steps the state in place: nothing to roll back to")
+        if not self.precision.exact:
+            reasons.append(f"state_precision={self.precision.name!r} steps the state in place: nothing to roll back to")
         if self.delay_after is not None:
             reasons.append(f"delay_after={self.delay_after}: only the first {self.delay_after} steps can speculate; "
                            "the delayed update hides the CPU share after them")  # fmt: skip

@@ -25,7 +25,9 @@ from twinflow.host.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host.host_state import HostState
 from twinflow.host.staging import Piece, plan_pieces
 from twinflow.host.step_record import Phase
-from twinflow.precision import compact, weight_master
+from twinflow.precision import state_precision as precisions
+from twinflow.precision import weight_master
+from twinflow.precision.state_precision import StatePrecision
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENTRY_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # a parameter's state in torch.optim's layout
@@ -57,8 +59,8 @@ class SplitState:
     """The parameters of `param_groups`, numbered in order; after ``build()``, their split and all of their
     state: step counts here, masters and moments in one owner per side (``host``: the CPU's, ``device``)."""
 
-    def __init__(self, param_groups: list[dict[str, Any]], precision: str = "fp32") -> None:
-        self.precision = precision  # of both sides' state: "fp32", "int8" or "int8_m24" (twinflow.precision.compact)
+    def __init__(self, param_groups: list[dict[str, Any]], precision: StatePrecision | str = "fp32") -> None:
+        self.precision = precisions.of(precision)  # of both sides' state, resolved once (twinflow.precision)
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []
         self.index: dict[int, int] = {}  # id(parameter) -> its number
@@ -111,7 +113,7 @@ class SplitState:
         self.planned = {i for i, p in enumerate(self.params) if p.requires_grad}
         numels = [p.numel() if i in self.planned else 0 for i, p in enumerate(self.locals)]
         # compact state: every cut at a block's start, so an element's block is the same on either side
-        align = 1 if self.precision == "fp32" else compact.BLOCK
+        align = self.precision.align
         segments = [seg for seg in split(numels, ratio, placement, align) if seg.numel]
         cpu = [seg for seg in segments if seg.on_cpu]
         self.versions = WeightVersions(self.locals)
@@ -123,8 +125,11 @@ class SplitState:
                     self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end],
                                                 "exp_avg": None, "exp_avg_sq": None})  # fmt: skip
             on_device = [seg for seg in segments if not seg.on_cpu]
-            self.device_state = (device_side.DeviceState(on_device, self.locals) if self.precision == "fp32"
-                                 else CompactDeviceState(on_device, self.locals, self.precision))  # fmt: skip
+            self.device_state = (
+                CompactDeviceState(on_device, self.locals, self.precision)
+                if self.precision.coded_moments
+                else device_side.DeviceState(on_device, self.locals)
+            )
         # Parameters wholly on the CPU: their device gradient may be released once it is down.
         self.fully_cpu = {i for i in self.planned if self.host is not None and self.host.holds(i)
                           and not self.device_state.holds(i)}  # fmt: skip
@@ -287,7 +292,7 @@ class SplitState:
             # before the sides' writes: where the weight holds the master (compact device state), the side's
             # write sets it again, rounded its own way
             master = entry["master"].reshape(-1)
-            m24 = self.precision == "int8_m24" and p.dtype == torch.bfloat16  # the weight a 24-bit master has
+            m24 = self.precision.weight_is_master(p.dtype)  # the weight a 24-bit master has
             p.copy_((weight_master.weight_of(master.float()) if m24 else master).view(p.shape))
         for side in self.sides(i):
             start, end = side.range(i)
@@ -384,11 +389,11 @@ def summary(split: SplitState, ratio: float, placement: str, pinned_bytes: int, 
         "tensors": len(split.host.span) if split.host is not None else 0,
         "elements": cpu_elements,
         "state_bytes": split.host.state_bytes if split.host is not None else 0,
-        "state_precision": split.precision,
+        "state_precision": split.precision.name,
     }
     dev_elements = sum(st.seg.numel for st in states)
     dev = {"tensors": len(states), "elements": dev_elements, "state_bytes": split.device_state.state_bytes,
-           "state_precision": split.precision}  # fmt: skip
+           "state_precision": split.precision.name}  # fmt: skip
     total = cpu["elements"] + dev["elements"]
     return {
         "ratio_requested": ratio,
