@@ -38,22 +38,49 @@ from benchmarks.common import machine_info, write_json  # noqa: E402
 from twinflow.models import build_opt  # noqa: E402
 
 # phase -> the places its function is reached through (module path, attribute path); the first that exists is
-# timed, and every other place that holds the same function object is patched too
+# timed, and every other place that holds the same function object is patched too (today's sub-packages first,
+# then an older tree's flat modules, so that one script times both)
 PHASES = {
     "fully_shard": [("torch.distributed.fsdp", "fully_shard")],
-    "TwinFlowAdam.__init__": [("twinflow.optim.twin_flow_adam", "TwinFlowAdam.__init__")],
-    "attach": [("twinflow.optim.twin_flow_adam", "TwinFlowAdam.attach")],
-    "kernel load": [("twinflow.host.ops", "load")],
-    "split build": [("twinflow.step.split_state", "SplitState.build")],
-    "host state alloc": [("twinflow.host.host_state", "HostState.__init__")],
-    "host state write": [("twinflow.host.host_state", "HostState.write")],
-    "master24 copy": [("twinflow.precision.compact", "Master24.copy_")],
-    "device state (fp32)": [("twinflow.device.device_side", "DeviceState.__init__")],
-    "device state (compact)": [("twinflow.device.device_compact", "CompactDeviceState.__init__")],
-    "pinned buffers": [("twinflow.base.transfer", "pinned_buffers"), ("twinflow.host.staging", "pinned_buffers")],
-    "ratio auto decide": [("twinflow.tune", "IterationProbe.decide")],
-    "compact device step": [("twinflow.device.device_compact", "Compiled.__call__")],
-    "device step (fp32)": [("twinflow.device.device_side", "DeviceState.step")],
+    "TwinFlowAdam.__init__": [
+        ("twinflow.optim.twin_flow_adam", "TwinFlowAdam.__init__"),
+        ("twinflow.twin_flow_adam", "TwinFlowAdam.__init__"),
+    ],
+    "attach": [
+        ("twinflow.optim.twin_flow_adam", "TwinFlowAdam.attach"),
+        ("twinflow.twin_flow_adam", "TwinFlowAdam.attach"),
+    ],
+    "kernel load": [("twinflow.host.ops", "load"), ("twinflow.ops", "load")],
+    "split build": [("twinflow.step.split_state", "SplitState.build"), ("twinflow.split_state", "SplitState.build")],
+    "host state alloc": [
+        ("twinflow.host.host_state", "HostState.__init__"),
+        ("twinflow.host_state", "HostState.__init__"),
+    ],
+    "host state write": [("twinflow.host.host_state", "HostState.write"), ("twinflow.host_state", "HostState.write")],
+    "master24 copy": [("twinflow.precision.compact", "Master24.copy_"), ("twinflow.compact", "Master24.copy_")],
+    "device state (fp32)": [
+        ("twinflow.device.device_side", "DeviceState.__init__"),
+        ("twinflow.device_side", "DeviceState.__init__"),
+    ],
+    "device state (compact)": [
+        ("twinflow.device.device_compact", "CompactDeviceState.__init__"),
+        ("twinflow.device_compact", "CompactDeviceState.__init__"),
+    ],
+    "pinned buffers": [
+        ("twinflow.base.transfer", "pinned_buffers"),
+        ("twinflow.host.staging", "pinned_buffers"),
+        ("twinflow.transfer", "pinned_buffers"),
+        ("twinflow.staging", "pinned_buffers"),
+    ],
+    "ratio auto decide": [("twinflow.plan", "IterationProbe.decide"), ("twinflow.tune", "IterationProbe.decide")],
+    "compact device step": [
+        ("twinflow.device.device_compact", "Compiled.__call__"),
+        ("twinflow.device_compact", "Compiled.__call__"),
+    ],
+    "device step (fp32)": [
+        ("twinflow.device.device_side", "DeviceState.step"),
+        ("twinflow.device_side", "DeviceState.step"),
+    ],
 }
 
 
