@@ -51,6 +51,8 @@ class HostSide:
         self.exact, self.speculative, self.delayed = ExactMode(self), SpeculativeMode(self), DelayedMode(self)
         self.weights_first = WeightsFirstMode(self)
         self.mode: ExactMode = self.exact
+        self.by_way = {Way.EXACT: self.exact, Way.WEIGHTS_FIRST: self.weights_first, Way.SPECULATIVE: self.speculative,
+                       Way.DELAYED: self.delayed}  # fmt: skip
         # Set to a list to record host times (time.perf_counter) of every chunk and wait, for timeline plots.
         self.timeline: list[dict] | None = None
         self.ready_at: list[float] = [0.0] * len(self.staging.chunks)
@@ -102,8 +104,7 @@ class HostSide:
                 self.delayed.wait_kernel()
         self.weights_first.open_step()  # may move this step's gradients to the other buffer set
         self.speculative.first = mode.redo_weights_first
-        self.mode = {Way.EXACT: self.exact, Way.WEIGHTS_FIRST: self.weights_first, Way.SPECULATIVE: self.speculative,
-                     Way.DELAYED: self.delayed}[mode.way]  # fmt: skip
+        self.mode = self.by_way[mode.way]
         self.mode.prepare(args)
         with self.executor.condition:
             self.executor.raise_error()

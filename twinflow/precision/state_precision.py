@@ -60,7 +60,6 @@ FP32 = StatePrecision("fp32", coded_moments=False, masters24=False)
 INT8 = StatePrecision("int8", coded_moments=True, masters24=False)
 INT8_M24 = StatePrecision("int8_m24", coded_moments=True, masters24=True)
 ALL = (FP32, INT8, INT8_M24)
-NAMES = tuple(p.name for p in ALL)
 
 
 def of(precision: object) -> StatePrecision:
