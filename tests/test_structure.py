@@ -247,6 +247,74 @@ def test_no_mode_is_parsed_from_a_string(module: str) -> None:
     assert not lines, f"{module} reads a mode out of a string at lines {lines}; pass a StepMode"
 
 
+# --- The checkpoint reads and writes the state through its owner's interface, and only through it ---------
+
+# Where the state's owners and the step's machinery live: the checkpoint imports none of them.
+OWNERS_INSIDE = ("twinflow.step", "twinflow.host", "twinflow.device")
+# The optimizer's parts behind the interface: its coordinator, the split, the split's sides and their writer.
+PAST_THE_OWNER = frozenset({"coordinator", "split", "sides", "host", "device_state", "away", "writer"})
+
+
+def past_the_owner(source: str, package: str = "twinflow.checkpoint") -> list[tuple[int, str]]:
+    """(line, code) where `source` reaches the optimizer's state past
+    :class:`twinflow.precision.state_owner.OptimizerState` (``TwinFlowAdam.state_owner``): an attribute of
+    ``PAST_THE_OWNER`` (``optimizer.coordinator.split``; a function called by that name, ``weight_master.split(..)``,
+    is not one), or an import from a module of ``OWNERS_INSIDE`` (a relative one resolved from `package`)."""
+    tree = ast.parse(source)
+    split_calls = {
+        id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call) and _named(node.func) == "split"
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PAST_THE_OWNER and id(node) not in split_calls:
+            found.append((node.lineno, brief(node)))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.startswith(OWNERS_INSIDE)]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: up from `package`
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            names = [f"{base}.{a.name}" for a in node.names]
+            found += [(node.lineno, f"import {n}") for n in names if n.startswith(OWNERS_INSIDE)]
+    return sorted(found)
+
+
+def test_the_owner_check_catches_reaches_past_the_interface() -> None:
+    source = """
+from twinflow.step.split_state import SplitState
+from twinflow.precision.state_owner import RawPart
+import twinflow.host.host_state
+def f(optimizer, hi, lo):
+    split = optimizer.coordinator.split
+    owner = optimizer.state_owner
+    owner.raw(0), weight_master.split(hi, lo), "a b".split()
+    return owner.sides(0), owner.host
+"""
+    assert past_the_owner(source) == [
+        (2, "import twinflow.step.split_state.SplitState"),
+        (4, "import twinflow.host.host_state"),
+        (6, "optimizer.coordinator"),
+        (6, "optimizer.coordinator.split"),
+        (9, "owner.host"),
+        (9, "owner.sides"),
+    ]
+    assert past_the_owner("from ..step import split_state\n") == [(1, "import twinflow.step.split_state")]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if part(m) == "twinflow.checkpoint"))
+def test_the_checkpoint_reaches_the_state_only_through_its_owner(module: str) -> None:
+    """The checkpoint asks ``optimizer.state_owner`` (:class:`twinflow.precision.state_owner.OptimizerState`):
+    raw parts, step counts, settling; it never walks the optimizer's coordinator, split or sides."""
+    found = past_the_owner(MODULES[module].read_text(encoding="utf-8"))
+    where = "".join(f"\n  {rel(MODULES[module])}:{line}: {code}" for line, code in found)
+    assert not found, (
+        f"{module} reaches the optimizer's state past its owner's interface in {len(found)} places:{where}\n"
+        "ask optimizer.state_owner (twinflow.precision.state_owner.OptimizerState), or add what is missing there"
+    )
+
+
 # --- Size: a class fits in one reading, a module holds one job -------------------------------------------
 
 MAX_CLASS_LINES = 300

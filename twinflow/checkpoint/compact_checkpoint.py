@@ -47,18 +47,16 @@ import hashlib
 import io
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from twinflow.checkpoint.checkpoint_files import DAMAGED, HASH_BLOCK, CheckpointError, hash_error, save_to_stream
-from twinflow.host.host_state import HostState
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.precision import compact, weight_master
 from twinflow.precision.compact import BLOCK, blocks
-from twinflow.step.split_state import SplitState
+from twinflow.precision.state_owner import M24, RESIDUAL, WEIGHT, RawPart
 
 MAGIC = b"twinflow compact shard 1\n"
 VERSION = 1
@@ -85,8 +83,8 @@ def writes_compact(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer`'s state is saved and loaded in this format: a TwinFlowAdam with compact state built."""
     if not isinstance(optimizer, TwinFlowAdam):
         return False
-    split = optimizer.coordinator.split
-    return split.built and split.precision.coded_moments
+    owner = optimizer.state_owner
+    return owner.built and owner.precision.coded_moments
 
 
 def is_compact(f: IO[bytes]) -> bool:
@@ -105,46 +103,7 @@ def dtype_named(name: Any) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A parameter's state as its sides keep it
-
-
-@dataclass
-class Part:
-    """Elements [start, end) of a parameter as one side keeps them: live views of the moments' codes and block
-    scales (counted from `start`), the master's tensors by `kind` ("m24": hi and lo on the host; "fp32": a
-    float32 master; "residual": the weight and its residual byte; "weight": the weight is the master), and the
-    weight's elements."""
-
-    start: int
-    end: int
-    codes: list[torch.Tensor]
-    kind: str
-    master: tuple[torch.Tensor, ...]
-    weight: torch.Tensor
-
-    def form(self, dtype: torch.dtype) -> str:
-        """The form its masters are saved in (a float32 parameter's: none, its weight holds them)."""
-        return "none" if dtype == torch.float32 else "m24" if self.kind in ("m24", "residual") else "fp32"
-
-
-def parts_of(split: SplitState, i: int) -> list[Part]:
-    """Parameter i's parts on both sides, in order: they cover it."""
-    flat = split.weight(i).view(-1)
-    parts = []
-    for side in split.sides(i):
-        if isinstance(side, HostState):
-            for pc, codes, master in side.raw(i):
-                m24 = isinstance(master, compact.Master24)
-                tensors = (master.hi, master.lo) if m24 else (master,)
-                parts.append(Part(pc.start, pc.end, codes, "m24" if m24 else "fp32", tensors, flat[pc.start : pc.end]))
-            continue
-        st = side.raw(i)
-        if st.residual is not None:
-            kind, tensors = "residual", (st.weight, st.residual)
-        else:
-            kind, tensors = ("fp32", (st.master,)) if st.master is not None else ("weight", (st.weight,))
-        parts.append(Part(st.seg.start, st.seg.end, st.codes, kind, tensors, st.weight))
-    return sorted(parts, key=lambda part: part.start)
+# A parameter's state as its sides keep it: its raw parts, from the optimizer's state owner (TwinFlowAdam.state_owner)
 
 
 def copy_codes(dst: list[torch.Tensor], d0: int, src: list[torch.Tensor], s0: int, n: int) -> None:
@@ -154,10 +113,10 @@ def copy_codes(dst: list[torch.Tensor], d0: int, src: list[torch.Tensor], s0: in
         dst[k + 1][d0 // BLOCK : d0 // BLOCK + blocks(n)].copy_(src[k + 1][s0 // BLOCK : s0 // BLOCK + blocks(n)])
 
 
-def plan(parts: list[Part], dtype: torch.dtype, span: int) -> list[tuple[str, list[tuple[Part, int, int]]]]:
+def plan(parts: list[RawPart], dtype: torch.dtype, span: int) -> list[tuple[str, list[tuple[RawPart, int, int]]]]:
     """A parameter's records: (form, slices (part, a, b) of its parts), each of one form and at most `span`
     elements, cut at multiples of `span` (a multiple of the block) from where its form begins."""
-    records: list[tuple[str, list[tuple[Part, int, int]]]] = []
+    records: list[tuple[str, list[tuple[RawPart, int, int]]]] = []
     fill = span
     for part in parts:
         form, a = part.form(dtype), 0
@@ -172,7 +131,7 @@ def plan(parts: list[Part], dtype: torch.dtype, span: int) -> list[tuple[str, li
 
 
 @torch.no_grad()
-def read_record(form: str, slices: list[tuple[Part, int, int]]) -> list[torch.Tensor]:
+def read_record(form: str, slices: list[tuple[RawPart, int, int]]) -> list[torch.Tensor]:
     """One state record's tensors, in host memory (copies: a record saves its own elements only)."""
     n = sum(b - a for _, a, b in slices)
     out = [torch.empty(m, dtype=d) for m, d in zip((n, blocks(n), n, blocks(n)), CODE_DTYPES)]
@@ -180,7 +139,7 @@ def read_record(form: str, slices: list[tuple[Part, int, int]]) -> list[torch.Te
     k = 0
     for part, a, b in slices:
         copy_codes(out, k, part.codes, a, b - a)
-        if form != "none" and part.kind == "residual":
+        if form != "none" and part.kind == RESIDUAL:
             step = convert_elements(part.weight.device)
             for x in range(a, b, step):
                 y = min(b, x + step)
@@ -196,7 +155,7 @@ def read_record(form: str, slices: list[tuple[Part, int, int]]) -> list[torch.Te
 
 
 @torch.no_grad()
-def write_record(parts: list[Part], start: int, end: int, form: str, payload: list[torch.Tensor]) -> None:
+def write_record(parts: list[RawPart], start: int, end: int, form: str, payload: list[torch.Tensor]) -> None:
     """Record [start, end) of `form` into the parts it overlaps: codes copied; masters copied, or converted
     where the part keeps another form."""
     for part in parts:
@@ -206,27 +165,27 @@ def write_record(parts: list[Part], start: int, end: int, form: str, payload: li
             _write_master(part, lo - part.start, hi - part.start, form, payload[4:], lo - start)
 
 
-def _write_master(part: Part, p0: int, p1: int, form: str, master: list[torch.Tensor], r0: int) -> None:
+def _write_master(part: RawPart, p0: int, p1: int, form: str, master: list[torch.Tensor], r0: int) -> None:
     if form == part.kind:  # a master of the same form (m24, or fp32): its bits
         for dst, src in zip(part.master, master):
             dst[p0:p1].copy_(src[r0 : r0 + p1 - p0])
         return
-    if form == "none" and part.kind == "weight":
+    if form == "none" and part.kind == WEIGHT:
         return
     step = convert_elements(part.weight.device)
     for x in range(p0, p1, step):
         y = min(p1, x + step)
         s = slice(r0 + x - p0, r0 + y - p0)
         device = part.master[0].device
-        if form == "m24" and part.kind == "residual":
+        if form == "m24" and part.kind == RESIDUAL:
             hi, lo = (t[s].to(device) for t in master)
         else:
             value = (compact.decode_master(master[0][s], master[1][s]) if form == "m24"
                      else master[0][s] if form == FORM_FP32 else part.weight[x:y].float())  # fmt: skip
-            if part.kind == "m24":
+            if part.kind == M24:
                 compact.Master24(part.master[0][x:y], part.master[1][x:y]).copy_(value)  # to the nearest, as a load
                 continue
-            if part.kind != "residual":  # a float32 master, or the weight itself
+            if part.kind != RESIDUAL:  # a float32 master, or the weight itself
                 part.master[0][x:y].copy_(value)
                 continue
             hi, lo = compact.encode_master(value.to(device))
@@ -263,24 +222,24 @@ def write(f: IO[bytes], *, model: dict[str, torch.Tensor], optimizer: TwinFlowAd
           extra: dict[str, Any]) -> None:  # fmt: skip
     """Writes a compact shard to `f` (a seekable file): `model` (the rank's tensors of the model's state dict),
     `optimizer`'s state as it is kept (no step under way), the scheduler's state dict and `extra`."""
-    split = optimizer.coordinator.split
-    split.check_settled()  # between backward and step(), commits and eager kernels may still write the state
-    split.settle_state()
+    owner = optimizer.state_owner
+    owner.check_settled()  # between backward and step(), commits and eager kernels may still write the state
+    owner.settle_state()
     span = record_elements(optimizer.chunk_bytes)
     tensors = list(model.values())
     model_records = [["model", k, a, min(t.numel(), a + span)] for k, t in enumerate(tensors)
                      for a in range(0, t.numel(), span)]  # fmt: skip
     state_records, sources = [], []
-    for i in range(len(split.params)):
-        for form, slices in plan(parts_of(split, i), split.locals[i].dtype, span) if split.stepped(i) else ():
+    for i, p in enumerate(owner.locals):
+        for form, slices in plan(owner.raw(i), p.dtype, span) if owner.holds(i) else ():
             first, last = slices[0][0].start + slices[0][1], slices[-1][0].start + slices[-1][2]
             state_records.append(["state", i, first, last, form])
             sources.append((form, slices))
-    steps = [split.steps[i] if split.stepped(i) else None for i in range(len(split.params))]
+    steps = [owner.steps[i] if owner.holds(i) else None for i in range(len(owner.locals))]
     head = {
-        "version": VERSION, "precision": split.precision.name, "record_elements": span,
+        "version": VERSION, "precision": owner.precision.name, "record_elements": span,
         "model": [[key, list(t.shape), str(t.dtype).removeprefix("torch.")] for key, t in model.items()],
-        "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), s] for p, s in zip(split.locals, steps)],
+        "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), s] for p, s in zip(owner.locals, steps)],
         "param_groups": packed_groups(optimizer.param_groups), "scheduler": scheduler, "extra": extra,
         "records": model_records + state_records,
     }  # fmt: skip
@@ -450,27 +409,27 @@ def check_fits(shard: CompactShard, optimizer: TwinFlowAdam) -> None:
         if len(s["params"]) != len(o["params"]):
             raise ValueError(f"param group {gi}: the checkpoint has {len(s['params'])} parameters, the optimizer "
                              f"has {len(o['params'])}")  # fmt: skip
-    split = optimizer.coordinator.split
+    owner = optimizer.state_owner
     for i, (shape, _, step) in enumerate(shard.params):
-        if step is not None and shape.numel() != split.locals[i].numel():
+        if step is not None and shape.numel() != owner.range(i)[1]:
             raise ValueError(f"state of parameter {i}: the checkpoint has {shape.numel()} elements, the parameter "
-                             f"has {split.locals[i].numel()}")  # fmt: skip
+                             f"has {owner.range(i)[1]}")  # fmt: skip
 
 
 @torch.no_grad()
 def load_in_place(shard: CompactShard, model_state: dict[str, torch.Tensor], optimizer: TwinFlowAdam) -> None:
     """Loads the verified `shard` into the model's tensors `model_state` (checked against it) and `optimizer`
     (:func:`check_fits`), a record at a time: the model first, then each parameter's state into its sides."""
-    split = optimizer.coordinator.split
-    split.check_settled()
+    owner = optimizer.state_owner
+    owner.check_settled()
     optimizer.synchronize()
-    split.settle_state()
-    parts: dict[int, list[Part]] = {}
+    owner.settle_state()
+    parts: dict[int, list[RawPart]] = {}
     pending: dict[int, torch.Tensor] = {}  # a tensor that is not contiguous: gathered, then copied whole
     for record, payload in shard.frames():
         if record[0] == "state":
             i = record[1]
-            write_record(parts.setdefault(i, parts_of(split, i)), record[2], record[3], record[4], payload)
+            write_record(parts.setdefault(i, owner.raw(i)), record[2], record[3], record[4], payload)
             continue
         k, target = record[1], model_state[shard.model[record[1]][0]]
         flat = (
@@ -487,4 +446,4 @@ def load_in_place(shard: CompactShard, model_state: dict[str, torch.Tensor], opt
         if "param_names" in ours and "param_names" not in saved:
             groups[-1]["param_names"] = ours["param_names"]
     optimizer.__setstate__({"state": {}, "param_groups": groups})  # as torch.optim's load_state_dict ends
-    split.loaded_raw({i: step for i, (_, _, step) in enumerate(shard.params) if step is not None})
+    owner.loaded_raw({i: step for i, (_, _, step) in enumerate(shard.params) if step is not None})

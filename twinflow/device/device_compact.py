@@ -31,6 +31,7 @@ import torch
 from twinflow.base.partition import Segment
 from twinflow.precision import compact, compact_step, weight_master
 from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_owner import FP32, RESIDUAL, WEIGHT, RawPart
 from twinflow.precision.state_precision import StatePrecision
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,11 @@ def warm_up(states: list[CompactSegment], residual_step: Callable, master_step: 
 
 
 class CompactDeviceState:
-    """The device side's compact masters, moments and step counts, per segment: the only owner of those tensors."""
+    """The device side's compact masters, moments and step counts, per segment: the only owner of those tensors. A
+    :class:`twinflow.precision.state_owner.StateOwner`."""
 
     def __init__(self, segments: list[Segment], weights: list[torch.Tensor], precision: StatePrecision | str) -> None:
-        precision = precisions.of(precision)
+        self.precision = precision = precisions.of(precision)
         self.weights = weights
         self.states = [new_segment(seg, weights[seg.index].view(-1)[seg.start : seg.end], precision)
                        for seg in segments]  # fmt: skip
@@ -209,10 +211,15 @@ class CompactDeviceState:
             return None
         return st.master if st.master is not None else st.weight
 
-    def raw(self, i: int) -> CompactSegment:
-        """Parameter i's device state as kept (live: codes, block scales, the master's form), for a checkpoint to
-        copy out or in unchanged."""
-        return self.of[i]
+    def raw(self, i: int) -> list[RawPart]:
+        """Parameter i's device state as kept, one part (live: codes, block scales, the master in its form), for a
+        checkpoint to copy out or in unchanged."""
+        st = self.of[i]
+        if st.residual is not None:
+            kind, tensors = RESIDUAL, (st.weight, st.residual)
+        else:
+            kind, tensors = (FP32, (st.master,)) if st.master is not None else (WEIGHT, (st.weight,))
+        return [RawPart(st.seg.start, st.seg.end, st.codes, kind, tensors, st.weight)]
 
     def master_is_weight(self, i: int) -> bool:
         st = self.of[i]
@@ -281,7 +288,7 @@ class CompactDeviceState:
         """The same state over `fn(t)` for every tensor t it holds, the weights included, its arithmetic where
         the codes are (``offload_states()``: host views of the moved bytes)."""
         other = CompactDeviceState.__new__(CompactDeviceState)
-        other.weights = [fn(w) for w in self.weights]
+        other.precision, other.weights = self.precision, [fn(w) for w in self.weights]
         # on the host where the codes moved; where they stayed (only the gradients moved), on the device
         other.device = fn(self.states[0].codes[0]).device if self.states else self.device
         other.states = [replace(st, weight=fn(st.weight), master=None if st.master is None else fn(st.master),

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from twinflow.base.partition import Segment
+from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_owner import RawPart
 
 UPCAST_ELEMENTS = 1 << 26  # bf16/fp16 gradients are upcast to fp32 at most this many at a time (256 MiB)
 
@@ -36,7 +38,10 @@ def new_state(seg: Segment, flat: torch.Tensor) -> SegmentState:
 
 
 class DeviceState:
-    """The device side's masters, moments and step counters, per segment: the only owner of those tensors."""
+    """The device side's masters, moments and step counters, per segment: the only owner of those tensors. A
+    :class:`twinflow.precision.state_owner.StateOwner` in fp32."""
+
+    precision = precisions.FP32
 
     def __init__(self, segments: list[Segment], weights: list[torch.Tensor]) -> None:
         self.weights = weights
@@ -58,6 +63,10 @@ class DeviceState:
     def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Parameter i's device elements of `key`: the live view, or copied into `out` if given."""
         return self.view(i, key) if out is None else out.copy_(self.view(i, key))
+
+    def raw(self, i: int) -> list[RawPart]:
+        """Refused: fp32 state keeps no codes (:meth:`read` and :meth:`view` give it as kept)."""
+        raise ValueError("the device share's state is fp32: it keeps no codes; read() it instead")
 
     def master_is_weight(self, i: int) -> bool:
         st = self.of[i]

@@ -24,6 +24,7 @@ from twinflow.host import ops
 from twinflow.host.staging import Piece, by_param
 from twinflow.precision import compact
 from twinflow.precision import state_precision as precisions
+from twinflow.precision.state_owner import FP32, M24, RawPart
 from twinflow.precision.state_precision import StatePrecision
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -137,12 +138,13 @@ class Int8Codec:
 
 
 class HostState:
-    """Masters and moments of the CPU share's pieces, in the codec of `precision`; which set is current."""
+    """Masters and moments of the CPU share's pieces, in the codec of `precision`; which set is current. A
+    :class:`twinflow.precision.state_owner.StateOwner`."""
 
     def __init__(self, pieces: list[Piece], precision: StatePrecision | str) -> None:
         total = sum(pc.numel for pc in pieces)
         self.pieces = pieces
-        precision = precisions.of(precision)
+        self.precision = precision = precisions.of(precision)
         self.codec = (
             Int8Codec(total, pieces, precision.masters24) if precision.coded_moments else Fp32Codec(total, pieces)
         )
@@ -182,11 +184,22 @@ class HostState:
         """Sets `values` (flat over parameter i's CPU elements; a moment None: fresh) in the precision kept."""
         self.codec.write(self.pieces_of[i], values, self.span[i][0])
 
-    def raw(self, i: int) -> list[tuple[Piece, list[torch.Tensor], torch.Tensor | compact.Master24]]:
-        """Parameter i's CPU state as a compact codec keeps it, per piece: live views of the moments' codes and
-        block scales (counted from the piece's first element) and of its masters (float32, or 24-bit), for a
-        checkpoint to copy out or in unchanged."""
-        return [(pc, self.codec.q8[pc.id], self.codec.masters[pc.id]) for pc in self.pieces_of[i]]
+    def raw(self, i: int) -> list[RawPart]:
+        """Parameter i's CPU state as a compact codec keeps it, a part per piece: live views of the moments' codes
+        and block scales (counted from the piece's first element) and of its masters (float32, or 24-bit as hi
+        and lo), for a checkpoint to copy out or in unchanged; the weights are not this owner's (None)."""
+        if not self.precision.coded_moments:
+            raise ValueError(f"the CPU share's state is {self.precision.name}: it keeps no codes; read() it instead")
+        parts = []
+        for pc in self.pieces_of[i]:
+            master = self.codec.masters[pc.id]
+            m24 = isinstance(master, compact.Master24)
+            tensors = (master.hi, master.lo) if m24 else (master,)
+            parts.append(RawPart(pc.start, pc.end, self.codec.q8[pc.id], M24 if m24 else FP32, tensors))
+        return parts
+
+    def set_step(self, i: int, steps: int) -> None:
+        """Nothing: the CPU share's step counts come with each step's arguments."""
 
     def make_scratch(self) -> None:
         """Speculation's second set (12 bytes per element), made the first time a step speculates."""

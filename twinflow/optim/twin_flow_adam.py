@@ -30,6 +30,7 @@ from twinflow.optim import offload_states
 from twinflow.optim.overlap import Attachment, resolve
 from twinflow.optim.state_map import ParamState, StateMap
 from twinflow.plan import IterationProbe, explain
+from twinflow.precision.state_owner import OptimizerState
 from twinflow.precision.state_precision import check_name as check_state_precision
 from twinflow.step.coordinator import Settings, StepCoordinator
 from twinflow.step.split_state import ENTRY_KEYS, check_not_grouped, read_params, validated
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def _setting(name: str, check: Callable[[Any], object] = lambda v: None, convert: Callable = lambda v: v) -> property:
-    """A setting of the coordinator's, read and (checked) written through the optimizer."""
+    """A setting of the coordinator's, read and (checked) written through the optimizer: it may be changed between
+    steps, as before; the coordinator re-resolves its plan from it."""
 
     def get(opt: TwinFlowAdam) -> Any:
         return getattr(opt.coordinator.settings, name)
@@ -49,6 +51,12 @@ def _setting(name: str, check: Callable[[Any], object] = lambda v: None, convert
         opt.coordinator.update(**{name: convert(value)})
 
     return property(get, put, doc=f"The ``{name}`` the coming steps use (settable between steps).")
+
+
+def _state_owner(opt: TwinFlowAdam) -> OptimizerState:
+    """The optimizer's state, for code that reads or writes it as it is kept (a checkpoint): its one interface
+    (:class:`twinflow.precision.state_owner.OptimizerState`), whatever the precision and the split."""
+    return opt.coordinator.split
 
 
 class TwinFlowAdam(torch.optim.Optimizer):
@@ -146,7 +154,6 @@ class TwinFlowAdam(torch.optim.Optimizer):
         if hasattr(self, "coordinator"):  # torch's __init__ adds the first groups before the coordinator exists
             self.coordinator.groups_added = True
 
-    # Settings may be changed between steps, as before: the coordinator re-resolves its plan from them.
     placement = _setting("placement", check_placement)
     chunk_bytes = _setting("chunk_bytes", check_chunk_bytes)
     num_threads = _setting("num_threads")
@@ -155,6 +162,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
     state_precision = _setting("state_precision", check_state_precision)
     speculate = _setting("speculate", convert=bool)
     weights_first = _setting("weights_first", convert=bool)
+    state_owner = property(_state_owner)
 
     @property
     def attached(self) -> bool:

@@ -27,7 +27,9 @@ from twinflow.host.staging import Piece, plan_pieces
 from twinflow.host.step_record import Phase
 from twinflow.precision import state_precision as precisions
 from twinflow.precision import weight_master
+from twinflow.precision.state_owner import StateOwner
 from twinflow.precision.state_precision import StatePrecision
+from twinflow.step.whole_params import WholeParams
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENTRY_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # a parameter's state in torch.optim's layout
@@ -55,9 +57,10 @@ class WeightVersions:
             self.seen = [-1] * len(self.weights)
 
 
-class SplitState:
+class SplitState(WholeParams):
     """The parameters of `param_groups`, numbered in order; after ``build()``, their split and all of their
-    state: step counts here, masters and moments in one owner per side (``host``: the CPU's, ``device``)."""
+    state: step counts here, masters and moments in one owner per side (``host``: the CPU's, ``device``). The
+    optimizer's :class:`twinflow.precision.state_owner.OptimizerState` (over whole parameters: :class:`WholeParams`)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], precision: StatePrecision | str = "fp32") -> None:
         self.precision = precisions.of(precision)  # of both sides' state, resolved once (twinflow.precision)
@@ -160,7 +163,7 @@ class SplitState:
             self.device_state.set_step(i, self.steps[i])
         self.generation += 1
 
-    def sides(self, i: int) -> list[HostState | device_side.DeviceState | CompactDeviceState]:
+    def sides(self, i: int) -> list[StateOwner]:
         """The state owners holding part of parameter i (none for a frozen one)."""
         return [s for s in (self.host, self.device_state) if s is not None and s.holds(i)]
 
@@ -213,26 +216,18 @@ class SplitState:
         copy otherwise. `handed` (``opt.state``): the copies are remembered, so that an in-place write to one
         reaches the buffers before they are next used (:meth:`absorb_edits`).
         """
-        p, sides = self.locals[i], self.sides(i)
+        p = self.locals[i]
         entry, copies = {"step": torch.tensor(float(self.steps[i]))}, ["step"]
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ()):
-            live = sides[0].view(i, key) if len(sides) == 1 and not self.offloaded else None
+            live = self.view(i, key)
             if live is not None:
                 entry[key] = live.view(p.shape)
                 continue
-            full = torch.empty(p.numel(), dtype=torch.float32)
-            for side in sides:
-                start, end = side.range(i)
-                side.read(i, key, full[start:end])  # decoded straight into the entry: no copy of a side's share
-            entry[key] = full.view(p.shape)
+            entry[key] = self.read(i, key).view(p.shape)  # each side decoded straight into it
             copies.append(key)
         if handed:
             self.handed.update({(i, key): (entry[key], entry[key]._version) for key in copies})
         return entry
-
-    def stepped(self, i: int) -> bool:
-        """Whether parameter i has state: it was stepped (or given state) and takes part in the split."""
-        return self.has_state[i] and bool(self.sides(i))
 
     def export(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every stepped parameter's entry, by index."""
@@ -283,9 +278,7 @@ class SplitState:
             if "step" in keys:
                 flat["step"] = int(entry["step"])
         if "step" in flat:
-            self.steps[i] = flat.pop("step")
-            if self.device_state is not None:
-                self.device_state.set_step(i, self.steps[i])
+            self.set_step(i, flat.pop("step"))
         self.has_state[i] = entry is not None
         followed = weights_follow and entry is not None and "master" in keys and "master" in entry
         if followed:
@@ -294,9 +287,7 @@ class SplitState:
             master = entry["master"].reshape(-1)
             m24 = self.precision.weight_is_master(p.dtype)  # the weight a 24-bit master has
             p.copy_((weight_master.weight_of(master.float()) if m24 else master).view(p.shape))
-        for side in self.sides(i):
-            start, end = side.range(i)
-            side.write(i, {k: v[start:end] if v is not None else None for k, v in flat.items()})
+        self.write(i, flat)
         if followed or entry is None:
             # our own writes (a side that keeps the master in the weight writes it), noted after them; only where
             # the masters now follow the weights (taken from them, or set with them), or an outside write before
@@ -307,16 +298,14 @@ class SplitState:
     @torch.no_grad()
     def loaded_raw(self, steps: dict[int, int]) -> None:
         """After a checkpoint wrote the state of the parameters `steps` names in the form their sides keep it
-        (:meth:`HostState.raw`, :meth:`CompactDeviceState.raw`): their step counts, and a load's bookkeeping (the
-        weights written count as the optimizer's own); every other parameter starts afresh, as in :meth:`load`."""
+        (:meth:`raw`): their step counts, and a load's bookkeeping (the weights written count as the optimizer's
+        own); every other parameter starts afresh, as in :meth:`load`."""
         self.handed.clear()
         for i in range(len(self.params)):
             if i not in steps:
                 self.put(i, None)
                 continue
-            self.steps[i], self.has_state[i] = steps[i], True
-            if self.device_state is not None:
-                self.device_state.set_step(i, steps[i])
+            self.set_step(i, steps[i])
             self.versions.note(i)
         self.generation += 1
 
