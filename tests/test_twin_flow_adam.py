@@ -433,3 +433,49 @@ def test_settings_changed_between_steps_take_effect_from_the_next_step() -> None
     with pytest.raises(ValueError, match="delay_after=-1"):
         opt.delay_after = -1
     assert opt.chunk_bytes == 1024 and opt.delay_after == 1
+
+
+@pytest.mark.parametrize("attach", [False, True])
+def test_layout_settings_set_after_steps_take_effect_at_the_next_step(attach: bool) -> None:
+    """``placement`` and ``chunk_bytes`` set after steps rebuild the split in them at the next step (the state
+    kept): the summary says so, and the run goes on as one whose state was loaded into an optimizer built with
+    them. ``num_threads`` and the speculation settings are read where they act, from the one ``Settings``."""
+
+    def run(switch: bool) -> tuple[list[float], list[torch.Tensor], TwinFlowAdam]:
+        model = make_model("cpu", seed=3)
+        opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, chunk_bytes=1024)
+        if attach:
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(5)
+        losses = []
+        for step in range(5):
+            if step == 2 and switch:
+                opt.placement, opt.chunk_bytes, opt.num_threads = "last", 4096, 1
+                assert opt.split_summary["placement"] == "first"  # not rebuilt before the step
+            elif step == 2:  # the reference: the same state loaded into an optimizer built with the new settings
+                state = opt.state_dict()
+                if attach:
+                    opt.detach()
+                opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5, placement="last", chunk_bytes=4096,
+                                   num_threads=1)  # fmt: skip
+                opt.load_state_dict(state)
+                if attach:
+                    opt.attach(model)
+            loss = model(torch.randn(4, 24, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        return losses, [p.detach().clone() for p in model.parameters()], opt
+
+    switched, loaded = run(switch=True), run(switch=False)
+    opt = switched[2]
+    assert (opt.placement, opt.chunk_bytes, opt.num_threads) == ("last", 4096, 1)
+    assert opt.split_summary["placement"] == "last"
+    assert opt.split_summary["chunks"] == loaded[2].split_summary["chunks"]
+    assert switched[0] == loaded[0]
+    for a, b in zip(switched[1], loaded[1]):
+        assert torch.equal(a, b)
+    opt.max_grad_norm, opt.speculate = 1.0, True
+    assert opt.coordinator.speculation.max_grad_norm == 1.0 and opt.coordinator.speculation.asked

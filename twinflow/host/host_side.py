@@ -40,7 +40,7 @@ class HostSide:
     """Moves the CPU share's gradients down, steps them with the kernel, and moves the weights back up."""
 
     def __init__(self, weights: list[torch.Tensor], group_of: list[int], state: HostState, device: torch.device,
-                 num_threads: int | None, note_written: Callable[[int], None]) -> None:  # fmt: skip
+                 num_threads: Callable[[], int | None], note_written: Callable[[int], None]) -> None:  # fmt: skip
         ops.load()  # build the kernel now, in the caller's thread: a BuildError surfaces here, as itself
         self.weights, self.group_of, self.num_threads = weights, group_of, num_threads
         self.state, self.note_written = state, note_written
@@ -299,7 +299,7 @@ class HostSide:
             g = args.groups[gi]
             hyper = dict(lr=g["lr"], beta1=g["beta1"], beta2=g["beta2"], eps=g["eps"], weight_decay=g["weight_decay"],
                          adamw_mode=g["adamw_mode"], bias_correction=g["bias_correction"], grad_scale=scale,
-                         num_threads=self.num_threads, **({"peek": True} if peek else {}))  # fmt: skip
+                         num_threads=self.num_threads(), **({"peek": True} if peek else {}))  # fmt: skip
             group_pieces = [pieces[n] for n in members]
             group_outs = None if outs is None else [outs[n] for n in members]
             self.state.step(group_pieces, [grads[n] for n in members], group_outs,

@@ -32,7 +32,8 @@ from twinflow.optim.state_map import ParamState, StateMap
 from twinflow.plan import IterationProbe, explain
 from twinflow.precision.state_owner import OptimizerState
 from twinflow.precision.state_precision import check_name as check_state_precision
-from twinflow.step.coordinator import Settings, StepCoordinator
+from twinflow.step.coordinator import StepCoordinator
+from twinflow.step.settings import Settings
 from twinflow.step.split_state import ENTRY_KEYS, check_not_grouped, read_params, validated
 from twinflow.step.step_scale import check_max_grad_norm
 

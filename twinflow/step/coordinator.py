@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,25 +21,12 @@ from twinflow.base import distributed
 from twinflow.host.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host.step_record import Phase, StepArgs, StepMode, Way
 from twinflow.step.grad_notes import GradNotes, NoNotes
+from twinflow.step.settings import Settings
 from twinflow.step.speculation import SpeculationPolicy
 from twinflow.step.split_state import SplitState, sparse_gradient_message, summary
 from twinflow.step.step_scale import StepScale
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The optimizer's settings that shape a step, checked by its constructor."""
-
-    placement: str
-    chunk_bytes: int
-    num_threads: int | None
-    max_grad_norm: float | None
-    delay_after: int | None
-    state_precision: str
-    speculate: bool
-    weights_first: bool = False
 
 
 class StepCoordinator:
@@ -51,8 +37,8 @@ class StepCoordinator:
         self.split = SplitState(groups(), settings.state_precision)
         self.host: HostSide | NoHost = NO_HOST
         self.scale = StepScale(self.split.device, self.split.mesh_group)
-        self.speculation = SpeculationPolicy(settings.speculate, settings.max_grad_norm, settings.state_precision,
-                                             settings.delay_after)  # fmt: skip
+        this = weakref.ref(self)  # the policy reads the settings and the state's precision here, as they are now
+        self.speculation = SpeculationPolicy(lambda: this().settings, lambda: this().split.precision)
         self.notes: GradNotes = NoNotes()
         self.on_build: list[Callable[[], None]] = []  # called after every build (the optimizer's state map, hooks)
         self.ratio: float | None = None
@@ -68,10 +54,10 @@ class StepCoordinator:
         s, split = self.settings, self.split
         self.ratio = ratio
         split.build(ratio, s.placement, s.chunk_bytes)
-        self.speculation.precision = split.precision  # the state's, as built: not a setting not yet applied
         if split.host is not None:
-            self.host = HostSide(split.locals, split.group_of, split.host, split.device, s.num_threads,
-                                 split.versions.note)  # fmt: skip
+            this = weakref.ref(self)
+            self.host = HostSide(split.locals, split.group_of, split.host, split.device,
+                                 lambda: getattr(this(), "settings", s).num_threads, split.versions.note)  # fmt: skip
             weakref.finalize(split, self.host.close)
         else:
             self.host = NO_HOST
@@ -84,10 +70,11 @@ class StepCoordinator:
 
     def rebuild_if_needed(self) -> bool:
         """A new split, keeping every stepped parameter's state (converted to the precision set), once groups were
-        added, a frozen parameter unfrozen or ``state_precision`` changed (not while a step is open, nor before
-        ratio='auto' has built the first one)."""
-        old, old_host = self.split, self.host
-        changed = self.groups_added or old.needs_rebuild() or old.precision.name != self.settings.state_precision
+        added, a frozen parameter unfrozen, or ``state_precision``, ``placement`` or ``chunk_bytes`` changed (not
+        while a step is open, nor before ratio='auto' has built the first one)."""
+        old, old_host, s = self.split, self.host, self.settings
+        changed = (self.groups_added or old.needs_rebuild() or old.precision.name != s.state_precision
+                   or old.layout != (s.placement, s.chunk_bytes))  # fmt: skip
         if self.ratio is None or old.step_open or not changed:
             return False
         self.synchronize()
@@ -99,11 +86,9 @@ class StepCoordinator:
         return True
 
     def update(self, **changes: Any) -> None:
-        """New settings from the next step on (the layout ones from the next build; a new ``state_precision``
-        rebuilds the state in it at the next step); the speculation policy follows."""
-        self.settings = s = dataclasses.replace(self.settings, **changes)
-        policy = self.speculation
-        policy.asked, policy.max_grad_norm, policy.delay_after = s.speculate, s.max_grad_norm, s.delay_after
+        """New settings from the next step on: a new ``state_precision``, ``placement`` or ``chunk_bytes``
+        rebuilds the state so at the next step (converted, kept); the rest is read where it acts."""
+        self.settings = dataclasses.replace(self.settings, **changes)
 
     def attach(self, notes: GradNotes) -> None:
         self.notes = notes

@@ -25,23 +25,40 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from twinflow.precision import state_precision as precisions
 from twinflow.precision.state_precision import StatePrecision
+from twinflow.step.settings import Settings
 
 
 class SpeculationPolicy:
     """Whether a step speculates: asked for, eligible under the attachment, and not while steps keep clipping
-    (off once the last `off_after` steps all clipped; back on after one that did not)."""
+    (off once the last `off_after` steps all clipped; back on after one that did not). It keeps no setting: it
+    reads `settings()` (the optimizer's, as they are now) and `precision()` (the state's, as built) when asked."""
 
-    def __init__(self, asked: bool, max_grad_norm: float | None, precision: StatePrecision | str,
-                 delay_after: int | None, off_after: int = 2) -> None:  # fmt: skip
-        self.asked, self.max_grad_norm, self.delay_after = asked, max_grad_norm, delay_after
-        self.precision = precisions.of(precision)  # the state's, as built (the coordinator sets it at each build)
+    def __init__(self, settings: Callable[[], Settings], precision: Callable[[], StatePrecision],
+                 off_after: int = 2) -> None:  # fmt: skip
+        self.settings, self.state_precision = settings, precision
         self.off_after = off_after
         self.clipped_in_a_row = 0
         self.skipped = 0  # steps not speculated because of clipping
         self.warned = False  # speculate=True that can do nothing was reported (once per optimizer)
         self.attached = self.eager = self.fp16 = False
+
+    @property
+    def asked(self) -> bool:
+        return self.settings().speculate
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.settings().max_grad_norm
+
+    @property
+    def delay_after(self) -> int | None:
+        return self.settings().delay_after
+
+    @property
+    def precision(self) -> StatePrecision:
+        """The state's precision, as built (a ``state_precision`` set since applies at the next step's rebuild)."""
+        return self.state_precision()
 
     def attach(self, attached: bool, eager: bool = False, fp16: bool = False) -> None:
         """The attachment the coming steps run under (resolved once per attach() and detach())."""

@@ -100,6 +100,7 @@ class SplitState(WholeParams):
         self.writer: HostSide | NoHost = NO_HOST  # what steps the CPU share's state: settled before it is read
         self.planned: set[int] = set()
         self.fully_cpu: set[int] = set()
+        self.layout: tuple[str, int] | None = None  # (placement, chunk_bytes) the split was built with
 
     @property
     def built(self) -> bool:
@@ -114,6 +115,7 @@ class SplitState(WholeParams):
         """Splits the trainable parameters and creates their state (fresh); returns the CPU share's pieces."""
         # Frozen parameters take no part (no state, no hooks): with LoRA most of the model is frozen.
         self.planned = {i for i, p in enumerate(self.params) if p.requires_grad}
+        self.layout = (placement, chunk_bytes)
         numels = [p.numel() if i in self.planned else 0 for i, p in enumerate(self.locals)]
         # compact state: every cut at a block's start, so an element's block is the same on either side
         align = self.precision.align
