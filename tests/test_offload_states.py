@@ -88,6 +88,7 @@ def test_the_memory_is_freed_and_given_back_into_the_same_tensors() -> None:
     expected = sum(t.untyped_storage().nbytes() for t in owned + grads + list(model.parameters()))
     assert opt.offload_states(weights=True) == expected
     assert all(t.untyped_storage().nbytes() == 0 for t in owned + grads + list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # nothing outside reads a gradient that has no memory
     assert opt.offload_states() == 0  # a second offload moves nothing
     with pytest.raises(RuntimeError, match=r"step\(\) while the optimizer's device state is offloaded.*reload_states"):
         opt.step()
@@ -412,3 +413,37 @@ def test_a_copy_taken_before_the_offload_and_written_while_offloaded_lands() -> 
         return bits(model, opt)
 
     assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))
+
+
+def test_a_teardown_that_moves_the_module_while_offloaded_then_a_reload_resumes_bit_for_bit() -> None:
+    """Lightning's teardown calls ``module.cpu()`` after a loop that ended offloaded: every gradient is read then. A
+    gradient out of device memory is no parameter's meanwhile (a read of it would touch memory it does not have)."""
+
+    def go(cycle: bool) -> list[torch.Tensor]:
+        model, opt = trained(0.5, "fp32")
+        x, y = batch(torch.Generator().manual_seed(6))
+        F.mse_loss(model(x).float(), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        if cycle:
+            assert opt.offload_states() > 0
+            model.cpu()  # Lightning's teardown; on a GPU it copies every parameter and gradient it finds
+            assert all(p.grad is None for p in model.parameters())
+            assert sum(float(p.grad.sum()) for p in model.parameters() if p.grad is not None) == 0.0
+            opt.reload_states()
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+        opt.step()
+        return bits(model, opt)
+
+    assert all(a.equal(b) for a, b in zip(go(False), go(True), strict=True))
+
+
+def test_a_backward_while_offloaded_keeps_its_own_gradients() -> None:
+    model, opt = trained(0.5, "fp32")
+    x, y = batch(torch.Generator().manual_seed(7))
+    F.mse_loss(model(x).float(), y).backward()
+    opt.offload_states()
+    F.mse_loss(model(x).float(), 2 * y).backward()  # a new gradient, in memory of its own
+    fresh = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in fresh]
+    opt.reload_states()
+    assert all(p.grad is g and g.equal(v) for p, g, v in zip(model.parameters(), fresh, values))

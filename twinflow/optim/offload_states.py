@@ -99,6 +99,9 @@ class StateOffload:
         self.out: list[tuple[torch.UntypedStorage, int, int]] = []
         self.place: dict[int, tuple[int, int]] = {}  # id(storage) -> (offset, bytes), while out
         self.transient: set[int] = set()  # id(storage) of the gradients among them
+        # (parameter, gradient) pairs whose gradient is out: ``p.grad`` is None meanwhile, so that nothing outside
+        # (a framework's ``module.cpu()`` at teardown, a norm) reads a tensor that has no memory
+        self.detached: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def check(self, what: str) -> None:
         """Raises while the state is out: `what` would write tensors that have no memory now."""
@@ -235,7 +238,8 @@ def offload(opt: Any, include: object, weights: bool) -> int:
         kept += split.device_state.tensors()
     if weights:
         kept += list(split.locals)
-    grads = [distributed.local(p.grad) for p in split.params if p.grad is not None] if "grads" in kinds else []
+    held = [(p, p.grad) for p in split.params if p.grad is not None] if "grads" in kinds else []
+    grads = [distributed.local(g) for _, g in held]
     # the buffer is made for the largest offload: every trainable parameter's gradient present
     grad_bytes = sum(_aligned(p.numel() * p.element_size()) for p, q in zip(split.locals, split.params)
                      if q.requires_grad)  # fmt: skip
@@ -244,6 +248,10 @@ def offload(opt: Any, include: object, weights: bool) -> int:
     moved = opt.offload.offload(kept + grads, reserve, transient=grads)
     if moved:
         split.stand_in(split.device_state.mapped(opt.offload.host_view))
+    if grads and opt.offload.offloaded:  # the gradients leave their parameters until they come back
+        opt.offload.detached = held
+        for p, _ in held:
+            p.grad = None
     log.info("offload_states(): %.2f GiB moved to host memory", moved / 2**30)
     return moved
 
@@ -255,19 +263,23 @@ def reload(opt: Any) -> int:
     split = opt.coordinator.split
     if not split.step_open:
         split.absorb_edits()  # writes to copies opt.state handed out while offloaded: into the buffer first
+    detached, opt.offload.detached = opt.offload.detached, []
     moved = opt.offload.reload()
     split.come_back()
+    for p, grad in detached:
+        if p.grad is None:  # a gradient set meanwhile (a backward) is the newer one: it stays
+            p.grad = grad
     return moved
 
 
 def before_zero_grad(opt: Any, set_to_none: bool) -> None:
     """TwinFlowAdam.zero_grad while offloaded: gradients set to None are not brought back; zeroing them in place
     would write memory they do not have, and is refused."""
-    if not opt.offload.offloaded:
+    if not opt.offload.offloaded or not opt.offload.detached:
         return
-    grads = [distributed.local(p.grad) for p in opt.coordinator.split.params if p.grad is not None]
-    if not set_to_none and any(g.untyped_storage().nbytes() == 0 for g in grads):
+    if not set_to_none:
         raise RuntimeError("zero_grad(set_to_none=False) while the gradients are offloaded (offload_states()): "
                            "they have no device memory to zero; call zero_grad() to drop them, or reload_states() "
                            "first")  # fmt: skip
-    opt.offload.forget(grads)
+    opt.offload.forget([distributed.local(g) for _, g in opt.offload.detached])
+    opt.offload.detached = []
