@@ -46,6 +46,9 @@ setup(
             "accelerate>=1.1",
             "matplotlib",
             "lightning>=2.4",
+            # the compact device step's Triton kernel, checked on the CPU by Triton's interpreter (a GPU build of
+            # torch brings its own Triton, which pip keeps)
+            "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],
         # accelerate: transformers.Trainer refuses to run without it
         "examples": ["tqdm", "transformers>=4.46", "accelerate>=1.1", "matplotlib"],

@@ -74,6 +74,7 @@ PHASES = {
     ],
     "ratio auto decide": [("twinflow.plan", "IterationProbe.decide"), ("twinflow.tune", "IterationProbe.decide")],
     "compact device step": [
+        ("twinflow.device.compact_triton", "residual_step_"),
         ("twinflow.device.device_compact", "Compiled.__call__"),
         ("twinflow.device_compact", "Compiled.__call__"),
     ],

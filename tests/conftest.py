@@ -10,7 +10,7 @@ from twinflow.host import ops
 # path-dependent until it is listed here.
 PATH_INDEPENDENT_MODULES = frozenset({
     "test_bench_train", "test_build", "test_config", "test_examples", "test_partition", "test_readme",
-    "test_structure", "test_train_opt_errors", "test_tune_cli", "test_warm_up", "test_weight_master",
+    "test_structure", "test_train_opt_errors", "test_tune_cli", "test_weight_master",
 })  # fmt: skip
 
 

@@ -161,9 +161,10 @@ def _steps_on(device: torch.device, n: int, dtype: torch.dtype, precision: str, 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "int8_m24"), (torch.float32, "int8")])
-def test_the_compiled_device_step_keeps_the_cpus_bits(dtype, precision) -> None:  # noqa: ANN001
-    """torch.compile's GPU code for the compact step against the same step eagerly on the CPU (itself the
+@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "int8_m24"), (torch.float32, "int8"),
+                                              (torch.bfloat16, "int8")])  # fmt: skip
+def test_the_device_steps_kernel_keeps_the_cpus_bits(dtype, precision) -> None:  # noqa: ANN001
+    """The Triton kernel of the compact step on the GPU against the same step as torch operations on the CPU (the
     kernel's bits): every weight, residual, code and scale after several steps."""
     n = 3 * (1 << 16) + 77
     gen = torch.Generator().manual_seed(8)

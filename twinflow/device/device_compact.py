@@ -12,16 +12,15 @@ the state is made:
   plus a signed residual byte (:mod:`twinflow.precision.weight_master`): 3 bytes of state an element;
 - otherwise (bfloat16 under "int8", float16) a float32 master beside the weight.
 
-The step is :mod:`twinflow.precision.compact_step`'s float32 operations, one pass per batch of :data:`BATCH` elements,
-compiled by ``torch.compile`` on a GPU (eager on the CPU, where tests compare it with the kernel): the same
-rounding noise as the CPU kernel, from the element's index in its parameter and the step.
+The step is :mod:`twinflow.precision.compact_step`'s float32 operations, one pass per batch of :data:`BATCH` elements:
+on a GPU as one Triton kernel (:mod:`twinflow.device.compact_triton`), elsewhere as torch operations (where tests
+compare it with the CPU kernel); the same rounding noise as the CPU kernel, from the element's index in its
+parameter and the step.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from twinflow.base.partition import Segment
+from twinflow.device import compact_triton
 from twinflow.precision import compact, compact_step, weight_master
 from twinflow.precision import state_precision as precisions
 from twinflow.precision.state_owner import FP32, RESIDUAL, WEIGHT, RawPart
@@ -78,101 +78,22 @@ def new_segment(seg: Segment, flat: torch.Tensor, precision: StatePrecision) -> 
     return CompactSegment(seg, flat, master, residual, codes)
 
 
-class Compiled:
-    """`fn` compiled by torch.compile (shapes dynamic: one compilation serves every batch size).
-
-    - A batch of one block runs eagerly: compiled code assumes two blocks or more (torch.compile specializes a
-      size of one, and a tensor of one block's scales has one).
-    - :meth:`warm_up` compiles it in a background thread, on scratch inputs of the real dtypes, while the caller
-      goes on (the state's build, the first forward and backward): the first call waits for that thread, then
-      finds the code compiled.
-    - Where it cannot be compiled (no Triton, an unsupported GPU), the first call says so once and `fn` runs
-      eagerly from then on: the same results, many times slower.
-    """
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True)
-        self.warming: threading.Thread | None = None
-
-    def warm_up(self, device: torch.device, make_args: Callable[[], tuple]) -> None:
-        """Compiles in a background thread, calling the compiled function once on `make_args()` (scratch tensors
-        on `device`, none of them state); a failure there is left for the first real call to meet and report."""
-
-        def run() -> None:
-            try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)
-                with torch.no_grad():
-                    self.compiled(*make_args())
-            except Exception:  # noqa: BLE001 (the first real call compiles again, or falls back, and says why)
-                log.debug("warming up the compiled compact step failed", exc_info=True)
-
-        self.warming = threading.Thread(target=run, name="twinflow-compile", daemon=True)
-        self.warming.start()
-
-    def __call__(self, *args: Any) -> None:
-        if self.warming is not None:
-            self.warming.join()
-            self.warming = None
-        if self.compiled is None or args[0].numel() <= compact.BLOCK:
-            return self.fn(*args)
-        try:
-            return self.compiled(*args)
-        except Exception as exc:  # noqa: BLE001 (any compiler failure: the eager step is the same math)
-            self.compiled = None
-            log.warning(
-                "torch.compile failed for the compact device step (%s: %s); it runs eagerly, many "
-                "times slower: install a working Triton for this GPU",
-                type(exc).__name__,
-                str(exc)[:300],
-            )
-            return self.fn(*args)
-
-
 def step_functions(device: torch.device) -> tuple[Callable, Callable]:
-    """The two steps (residual form, float32 master) for `device`: compiled on a GPU, eager elsewhere (the CPU
-    suite checks these eager steps against the kernel, and the GPU suite the compiled ones against them)."""
-    if device.type != "cuda":
-        return compact_step.residual_step_, compact_step.master_step_
-    return Compiled(compact_step.residual_step_), Compiled(compact_step.master_step_)
+    """The two steps (residual form, float32 master) for `device`: the Triton kernel on a GPU
+    (:mod:`twinflow.device.compact_triton`), torch's operations elsewhere (the CPU suite checks those against the
+    kernel, the interpreter's run of the Triton kernel against them, and the GPU suite the kernel on a GPU against
+    the CPU). A GPU without Triton steps eagerly, many times slower, and says so once."""
+    if compact_triton.available(device):
+        return compact_triton.residual_step_, compact_triton.master_step_
+    if device.type == "cuda":
+        log.warning("Triton is not installed: the compact device step runs as torch operations, many times slower; "
+                    "install the Triton that matches this torch (pip install triton)")  # fmt: skip
+    return compact_step.residual_step_, compact_step.master_step_
 
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors detached: the same memory, no view of a base (a compiled step would guard on the base's size)."""
+    """The tensors detached: the same memory, out of autograd's sight."""
     return [t.detach() for t in tensors]
-
-
-def _scratch(n: int, grad_dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A batch's gradient, codes, constants, multiplier and meta for `n` elements: inputs to warm a step up on."""
-    grad = torch.zeros(n, dtype=grad_dtype, device=device)
-    codes = compact.fresh(n, device)
-    c = compact_step.constants(1, {"lr": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
-                                   "adamw_mode": True}, device)  # fmt: skip
-    meta = torch.tensor([0, compact.key(1)], device=device)
-    return grad, codes, c, torch.ones((), dtype=F32, device=device), meta
-
-
-def _warm_args(residual: bool, dtype: torch.dtype, beside: bool, device: torch.device) -> tuple:
-    """Scratch arguments of 4 blocks for the residual form (a `dtype` weight and its residual), or for the float32
-    master form (with a `dtype` weight beside it when `beside`)."""
-    n = 4 * compact.BLOCK
-    if residual:
-        first = (torch.zeros(n, dtype=dtype, device=device), torch.zeros(n, dtype=torch.int8, device=device))
-    else:
-        weight = torch.zeros(n, dtype=dtype, device=device) if beside else None
-        first = (torch.zeros(n, dtype=F32, device=device), weight)
-    return (*first, *_scratch(n, dtype, device), False)
-
-
-def warm_up(states: list[CompactSegment], residual_step: Callable, master_step: Callable) -> None:
-    """Starts compiling, in the background, each form of the step that `states` will run (their masters' forms
-    and dtypes), on scratch (a compiled step serves every size of two blocks or more)."""
-    forms = {(st.residual is not None, st.weight.dtype, st.master is not None) for st in states}
-    for residual, dtype, beside in forms:
-        step = residual_step if residual else master_step
-        if isinstance(step, Compiled) and step.warming is None:
-            device = states[0].weight.device
-            step.warm_up(device, functools.partial(_warm_args, residual, dtype, beside, device))
 
 
 class CompactDeviceState:
@@ -188,7 +109,6 @@ class CompactDeviceState:
         device = weights[segments[0].index].device if segments else torch.device("cpu")
         self.device = device
         self.residual_step, self.master_step = step_functions(device)
-        warm_up(self.states, self.residual_step, self.master_step)  # compiles while the caller goes on
 
     @property
     def state_bytes(self) -> int:
@@ -306,9 +226,8 @@ class CompactDeviceState:
              grad_of: Callable[[int], torch.Tensor], scale: torch.Tensor | None) -> None:  # fmt: skip
         """Launches the step of `states` (stream order; no host synchronisation): per param group, one copy of
         the batches' constants and noise keys to the device, then one fused pass per batch. Every tensor reaches
-        the step as a plain tensor of its own (``detach()``: no view of a larger base) and the multiplier always as
-        a float32 tensor (1 where there is none: a multiplication by 1 keeps every bit), so one compiled form
-        serves every batch."""
+        the step detached, and the multiplier always as a float32 tensor (1 where there is none: a multiplication
+        by 1 keeps every bit)."""
         scale = torch.ones((), dtype=F32, device=self.device) if scale is None else scale.detach().to(F32)
         by_group: dict[int, list[CompactSegment]] = {}
         for st in states:
