@@ -41,12 +41,20 @@ def _grads(n: int, gen: torch.Generator, dtype: torch.dtype, special: bool) -> t
     return grad.to(dtype)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.view(torch.uint8).equal(b.view(torch.uint8))
+def _same(a: torch.Tensor, b: torch.Tensor, skip: torch.Tensor | None = None) -> bool:
+    """Bit for bit; `skip` (per element): elements whose update is NaN, compared only in that they are NaN."""
+    if skip is None or a.numel() != skip.numel():
+        return a.view(torch.uint8).equal(b.view(torch.uint8))
+    if a.is_floating_point() and not torch.equal(a[skip].isnan(), b[skip].isnan()):
+        return False
+    return a[~skip].view(torch.uint8).equal(b[~skip].view(torch.uint8))
 
 
-def residual_case(kernel, n: int, grad_dtype: torch.dtype, adamw: bool, scaled: bool, special: bool) -> list[str]:  # noqa: ANN001
-    """The names of the outputs where the kernel's residual form differs from the torch step's (none: the same)."""
+def residual_case(kernel, n: int, grad_dtype: torch.dtype, adamw: bool, scaled: bool, special: bool,  # noqa: ANN001
+                  nan_bits: bool = True) -> list[str]:  # fmt: skip
+    """The names of the outputs where the kernel's residual form differs from the torch step's (none: the same).
+    Without `nan_bits`, an element whose update is NaN counts as the same where both give a NaN weight: a GPU's
+    NaN is 0x7FFFFFFF, an x86 CPU's 0xFFC00000 (sign set), and the sign then reaches the weight and the code."""
     gen = torch.Generator().manual_seed(n + 7 * adamw + 3 * scaled)
     grad, codes = _grads(n, gen, grad_dtype, special), _codes(n, gen)
     weight = (torch.randn(n, generator=gen) * torch.logspace(-30, 3, n)).bfloat16()
@@ -62,8 +70,10 @@ def residual_case(kernel, n: int, grad_dtype: torch.dtype, adamw: bool, scaled: 
         step(w, r, grad.clone(), cs, c, scale, meta, l2)
         outs.append([w, r, *cs])
     assert not _same(outs[0][0], weight)  # the step moved the weights: a kernel that writes nothing differs
+    skip = None if nan_bits else outs[0][0].isnan() | grad.isnan()
+    assert nan_bits or not skip.all()
     names = ("weight", "residual", *compact_step.CODE_KEYS)
-    return [name for name, a, b in zip(names, *outs, strict=True) if not _same(a, b)]
+    return [name for name, a, b in zip(names, *outs, strict=True) if not _same(a, b, skip)]
 
 
 def master_case(kernel, out_dtype: torch.dtype | None, adamw: bool) -> list[str]:  # noqa: ANN001
@@ -94,9 +104,12 @@ def cases() -> list[tuple[str, object]]:
         ((True, False, False), (False, True, False), (True, True, True)),
     ):
         name = f"residual n={n} grad={dtype} adamw={adamw} scaled={scaled} special={special}"
-        out.append((name, lambda k, a=(n, dtype, adamw, scaled, special): residual_case(k, *a)))
+        out.append(
+            (name, lambda k, nan_bits=True, a=(n, dtype, adamw, scaled, special): residual_case(k, *a, nan_bits))
+        )
     for out_dtype, adamw in itertools.product((None, torch.bfloat16, torch.float16), (True, False)):
-        out.append((f"master out={out_dtype} adamw={adamw}", lambda k, a=(out_dtype, adamw): master_case(k, *a)))
+        out.append((f"master out={out_dtype} adamw={adamw}",
+                    lambda k, nan_bits=True, a=(out_dtype, adamw): master_case(k, *a)))  # fmt: skip
     return out
 
 
@@ -129,7 +142,7 @@ class _GpuKernel:
 
 @pytest.mark.cuda
 def test_on_the_gpu_the_kernel_keeps_the_torch_steps_bits_in_every_case() -> None:
-    differ = {name: d for name, check in cases() if (d := check(_GpuKernel))}
+    differ = {name: d for name, check in cases() if (d := check(_GpuKernel, nan_bits=False))}
     assert not differ
 
 

@@ -51,6 +51,7 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the interpreter's, on the CPU)
+    _BLOCK = tl.constexpr(BLOCK)
 
     @triton.jit
     def _pow2(field):
@@ -86,7 +87,7 @@ if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the i
         """The update of one block: its masters `master` (float32), their gradients and moments (loaded here);
         stores the new codes and block scales, and returns (offsets, mask, new masters, noise)."""
         block = tl.program_id(0).to(tl.int64)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
+        offs = block * _BLOCK + tl.arange(0, _BLOCK)
         mask = offs < n
         # the step's constants, as compact_step.CONSTANTS orders them
         b1, b2 = tl.load(c_ptr + 0), tl.load(c_ptr + 1)
@@ -112,9 +113,9 @@ if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the i
         # the noise: lowbias32 of the element's index plus the step's key
         x = ((tl.load(meta_ptr + 0) + offs + tl.load(meta_ptr + 1)) & 0xFFFFFFFF).to(tl.uint32)
         x = x ^ (x >> 16)
-        x = x * tl.full([BLOCK], 0x7FEB352D, tl.uint32)
+        x = x * tl.full([_BLOCK], 0x7FEB352D, tl.uint32)
         x = x ^ (x >> 15)
-        x = x * tl.full([BLOCK], 0x846CA68B, tl.uint32)
+        x = x * tl.full([_BLOCK], 0x846CA68B, tl.uint32)
         h = (x ^ (x >> 16)).to(tl.int64)
         # the moments, encoded: block scales from their largest magnitudes, codes stochastically rounded
         fm, fv = _field(m_new, mask, 15), _field(v_new, mask, 31)
@@ -131,7 +132,7 @@ if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the i
     def _residual_kernel(w_ptr, r_ptr, grad_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, c_ptr, scale_ptr, meta_ptr, n,
                         L2: tl.constexpr):  # fmt: skip
         """Masters kept as a bfloat16 weight and a residual byte (twinflow.precision.weight_master)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * _BLOCK + tl.arange(0, _BLOCK)
         mask = offs < n
         # the 24-bit master of (weight, residual): weight_master.decode
         w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
@@ -160,7 +161,7 @@ if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the i
     def _master_kernel(p_ptr, out_ptr, grad_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, c_ptr, scale_ptr, meta_ptr, n,
                       L2: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
         """float32 masters, and their copy in the weight's dtype (rounded to the nearest) where `HAS_OUT`."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * _BLOCK + tl.arange(0, _BLOCK)
         master = tl.load(p_ptr + offs, mask=offs < n, other=0.0)
         offs, mask, p_new, h = _adam(grad_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, c_ptr, scale_ptr, meta_ptr, n,
                                     master, L2)  # fmt: skip
