@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # initialize and the first step of OPT-30B with compact state on 4 GPUs, an older checkout against this one, each
 # with a cold torch.compile cache, then this one again with its cache warm (benchmarks/bench_init.py).
-#   bash benchmarks/run_init_compare.sh OLD_TREE OUT_DIR [CONFIG]
+#   bash benchmarks/run_init_compare.sh OLD_TREE OUT_DIR [CONFIG]      (WARM=0: no third run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 old=$1 out=$2 config=${3:-benchmarks/configs/opt-30b-x4-int8_m24-r0.3.json}
@@ -21,4 +21,4 @@ ops.load()") || return
 }
 run after "${NEW:-$PWD}" /tmp/inductor_after "${LIMIT_AFTER:-170}"
 run before "$old" /tmp/inductor_before "${LIMIT_BEFORE:-300}"
-run after_warm "${NEW:-$PWD}" /tmp/inductor_after "${LIMIT_AFTER:-170}"
+[ "${WARM:-1}" = 0 ] || run after_warm "${NEW:-$PWD}" /tmp/inductor_after "${LIMIT_AFTER:-170}"
