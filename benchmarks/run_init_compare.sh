@@ -14,7 +14,7 @@ try:
 except ImportError:
     from twinflow import ops  # an older tree's flat layout
 ops.load()") || return
-  PYTHONPATH=$tree TORCH_EXTENSIONS_DIR=/tmp/ext_twinflow TORCHINDUCTOR_CACHE_DIR=$cache timeout "$limit" \
+  PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=/tmp/ext_twinflow TORCHINDUCTOR_CACHE_DIR=$cache timeout "$limit" \
     torchrun --standalone --nproc-per-node "$nproc" benchmarks/bench_init.py --model "${MODEL:-opt-30b}" \
     --config "$config" --steps "${STEPS:-4}" --label "$label" --out "$out/init_$label.json" 2>&1 \
     | grep -v -e Warning -e "output = self" -e "^Consider" -e "losses.append"
