@@ -43,6 +43,7 @@ import torch
 
 from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
+from twinflow.checkpoint import portable as portable_checkpoint
 from twinflow.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from twinflow.engine.config import Config, ConfigError, load_config
 from twinflow.engine.schedulers import build_scheduler
@@ -279,22 +280,28 @@ class Engine:
         return self.local_optimizer.reload_states()
 
     # ---------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
-        """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically."""
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
+                        portable: bool = False) -> Path:  # fmt: skip
+        """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically; `portable`: in the
+        format another number of processes resumes from (:mod:`twinflow.checkpoint.portable`, on PyTorch's
+        distributed checkpoint)."""
         tag = tag or f"global_step{self.global_steps}"
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
                  "skipped_steps": self.skipped_steps,
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}  # fmt: skip
         chosen = self.local_optimizer.ratio  # offload_ratio "auto": the ratio chosen at the first step
         meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio if chosen is None else chosen}
-        return save_checkpoint(save_dir, tag, model=self.module, optimizer=self.local_optimizer,
-                               scheduler=self.lr_scheduler, extra=extra, meta=meta)  # fmt: skip
+        save = portable_checkpoint.save_portable if portable else save_checkpoint
+        return save(save_dir, tag, model=self.module, optimizer=self.local_optimizer, scheduler=self.lr_scheduler,
+                    extra=extra, meta=meta)  # fmt: skip
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
-        extra, meta = load_checkpoint(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
-                                      scheduler=self.lr_scheduler)  # fmt: skip
+        folder = Path(load_dir) / (tag or portable_checkpoint.latest_tag(Path(load_dir)) or "")
+        load = portable_checkpoint.load_portable if portable_checkpoint.is_portable(folder) else load_checkpoint
+        extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
+                           scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
             for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
                 group["lr"] = local["lr"]

@@ -1,0 +1,117 @@
+"""A rank of tests/test_portable_checkpoint.py: trains a small MLP through ``twinflow.initialize`` on gloo and saves
+or resumes a portable checkpoint.
+
+    python tests/portable_worker.py --rank R --world N --rendezvous FILE --out DIR --stage S --precision P \
+        (--save CKPT | --load CKPT) [--ratio X]
+
+Every optimizer step's global batch is the same whatever the world size (GLOBAL samples, each rank its slice),
+so runs of different world sizes train alike up to the order of their sums. ``--save``: trains BEFORE steps,
+saves the portable checkpoint, trains AFTER more (the uninterrupted run); ``--load``: loads it and trains the
+AFTER steps. Rank 0 writes each step's global loss (the ranks' mean) to DIR/losses.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import twinflow
+
+WIDTH, DEPTH, GLOBAL = 64, 3, 4
+BEFORE, AFTER = 3, 3
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()) for _ in range(DEPTH)
+        )
+        self.head = torch.nn.Linear(WIDTH, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def config(stage: int, precision: str, ratio: float) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 20, "warmup_max_lr": 3e-3,
+                                                           "warmup_num_steps": 2, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": ratio}},
+        "offload_state_precision": precision,
+    }  # fmt: skip
+
+
+def train(engine, steps: range, rank: int, world: int) -> list[float]:  # noqa: ANN001
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(500 + step)
+        x, y = torch.randn(GLOBAL, WIDTH, generator=gen), torch.randn(GLOBAL, 8, generator=gen)
+        share = GLOBAL // world
+        loss = torch.nn.functional.mse_loss(engine(x[rank * share : (rank + 1) * share]),
+                                            y[rank * share : (rank + 1) * share])  # fmt: skip
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world", "--stage"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--rendezvous", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--load", type=Path)
+    args = parser.parse_args()
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
+                      LOCAL_WORLD_SIZE=str(args.world))  # fmt: skip
+    torch.distributed.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank,
+                                         world_size=args.world)  # fmt: skip
+    torch.manual_seed(0 if args.save else 9)  # resumed: other weights, all must come from the load
+    engine, *_ = twinflow.initialize(model=Net(), config=config(args.stage, args.precision, args.ratio))
+    report: dict = {}
+    if args.save:
+        report["before"] = train(engine, range(BEFORE), args.rank, args.world)
+        engine.save_checkpoint(args.save, "moved", portable=True)
+        if os.environ.get("PORTABLE_DEBUG"):
+            sd = engine.local_optimizer.state_dict()
+            for i, e in list(sd["state"].items())[:2]:
+                print("rank", args.rank, i, {k: (tuple(v.shape), float(v.float().abs().sum())) for k, v in e.items()})
+            print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
+        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world)
+    else:
+        engine.load_checkpoint(args.load)
+        if os.environ.get("PORTABLE_DEBUG"):
+            sd = engine.local_optimizer.state_dict()
+            for i, e in list(sd["state"].items())[:2]:
+                print("rank", args.rank, i, {k: (tuple(v.shape), float(v.float().abs().sum())) for k, v in e.items()})
+            print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
+        report["global_steps"] = engine.global_steps
+        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world)
+    if args.rank == 0:
+        (args.out / "losses.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Engine checkpoints saved by N processes and resumed by M (twinflow.checkpoint.portable, on PyTorch's distributed
+checkpoint), on the CPU with gloo: the resumed run's losses against the saving run continued."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from twinflow import TwinFlowAdam
+from twinflow.checkpoint import CheckpointError, portable
+
+WORKER = Path(__file__).with_name("portable_worker.py")
+
+
+def _launch(tmp: Path, name: str, world: int, stage: int, precision: str, ratio: float, *how: str) -> dict:
+    out = tmp / name
+    out.mkdir()
+    rendezvous = tmp / f"{name}.rendezvous"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--stage",
+                               str(stage), "--rendezvous", str(rendezvous), "--out", str(out), "--precision",
+                               precision, "--ratio", str(ratio), *how],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]  # fmt: skip
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return json.loads((out / "losses.json").read_text())
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_a_checkpoint_of_n_processes_resumes_on_m(tmp_path, saved: int, resumed: int, stage: int,
+                                                  precision: str) -> None:  # fmt: skip
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", saved, stage, precision, 0.5, "--save", str(ckpt))
+    again = _launch(tmp_path, "resumed", resumed, stage, precision, 0.5, "--load", str(ckpt))
+    assert again["global_steps"] == len(first["before"])
+    # the same global batches: the same run up to the order of the sums (and, compact, the rounding noise's indices)
+    tolerance = 1e-4 if precision == "fp32" else 2e-2
+    assert again["after"] == pytest.approx(first["after"], rel=tolerance)
+
+
+def test_a_resume_at_another_ratio_and_precision(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt))
+    again = _launch(tmp_path, "resumed", 1, 0, "fp32", 0.25, "--load", str(ckpt))
+    assert again["after"] == pytest.approx(first["after"], rel=1e-4)
+
+
+def _single(seed: int) -> tuple[torch.nn.Module, TwinFlowAdam]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
+    return model, TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5)
+
+
+def _train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int = 2) -> None:
+    for i in range(steps):
+        model(torch.randn(8, 300, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_damaged_piece_is_refused_naming_the_tag_and_nothing_changes(tmp_path) -> None:
+    model, opt = _single(0)
+    _train(model, opt)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    piece = next(folder.glob("*.distcp"))
+    piece.write_bytes(piece.read_bytes()[: piece.stat().st_size // 2])  # truncated
+    other, other_opt = _single(1)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(CheckpointError, match=r"checkpoint 't' in .*ckpt/t cannot be read.*nothing was changed"):
+        portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert all(p.detach().equal(b) for p, b in zip(other.parameters(), before))
+    assert not other_opt.state_dict()["state"]
+
+
+def test_a_killed_save_leaves_the_previous_tag_and_the_next_save_cleans_up(tmp_path) -> None:
+    model, opt = _single(0)
+    _train(model, opt)
+    portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt)
+    expected = [p.detach().clone() for p in model.parameters()]
+    left = tmp_path / "ckpt" / f"b{portable.SAVING}"  # what a save of "b" killed halfway leaves
+    left.mkdir()
+    (left / "__0_0.distcp").write_bytes(b"half")
+    other, other_opt = _single(1)
+    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)  # latest: still "a"
+    assert all(p.detach().equal(e) for p, e in zip(other.parameters(), expected))
+    _train(model, opt, 1)
+    portable.save_portable(tmp_path / "ckpt", "c", model=model, optimizer=opt)
+    assert not left.exists() and (tmp_path / "ckpt" / "latest").read_text() == "c"
+    # the resumed optimizer continues as the saved one: the same next step, bit for bit
+    _train(other, other_opt, 1)
+    assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))

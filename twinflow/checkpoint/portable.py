@@ -1,0 +1,238 @@
+"""Checkpoints that move: saved by N processes, resumed by M, on PyTorch's distributed checkpoint (DCP).
+
+Layout of ``save_portable(directory, tag, ...)``::
+
+    directory/
+      latest                   the newest complete tag (written last, atomically)
+      <tag>/.metadata          DCP's index of every tensor's pieces (written last by DCP)
+      <tag>/__<r>_0.distcp     each rank's pieces
+      <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
+                               the scheduler, the caller's extra state and meta, the saving world's size
+
+Every tensor is saved as the logical tensor it is a piece of, named by the parameter's name in the model: the
+model's weights as ``model.state_dict()`` gives them (FSDP2: DTensors), the optimizer's state of a parameter
+(``step``, ``exp_avg``, ``exp_avg_sq``, ``master``, float32) as a tensor of the parameter's shape (a DTensor over
+the parameter's mesh where it is one). DCP writes each rank's pieces and reads back whatever pieces a rank of
+another world needs: a checkpoint of N ranks resumes on M, under DDP, ZeRO-1, FSDP2 or one process, at any ratio
+and in any ``state_precision`` (the optimizer's own ``load_state_dict`` places the state).
+
+- **fp32 state is exact.** Compact state is saved decoded (float32) and encoded again at the load, to the nearest
+  code: a block whose elements are the same block after the load (the same parameter cut on a multiple of 256
+  elements) gets its codes and scale back bit for bit; a block cut otherwise is re-encoded, and its stochastic
+  rounding's noise follows the elements' new indices. The load says so once.
+- **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
+  has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
+  previous tags loadable, and the next save removes what it left.
+- **Nothing changes on a failed load.** The pieces are read into new host tensors; the model, the optimizer and the
+  scheduler are changed only once everything has been read, and a piece DCP cannot read (a damaged or missing
+  file) is refused naming the tag folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinflow.base.distributed import local, rank_and_world
+from twinflow.base.notice import notice
+from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
+from twinflow.version import __version__
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover (torch >= 2.4 has both)
+    dcp = DTensor = None
+
+INFO = "twinflow.pt"
+SAVING = ".saving"
+MODEL, OPTIM = "model", "optim"
+
+
+def is_portable(folder: Path) -> bool:
+    """Whether a tag folder holds a checkpoint of this format."""
+    return (folder / INFO).is_file() and (folder / ".metadata").is_file()
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    """Each parameter's name in the model, by the parameter's identity."""
+    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _logical(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Parameter `p`'s state tensor `value` (its local elements, on the host) as the logical tensor DCP saves: of
+    `p`'s shape, a DTensor over `p`'s mesh where `p` is one (a 0-dimensional `value`, the step, stays itself)."""
+    if value.dim() == 0 and p.dim() != 0:
+        return value
+    if DTensor is not None and isinstance(p, DTensor):
+        piece = value.reshape(local(p).shape)
+        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())  # fmt: skip
+    return value.reshape(p.shape)
+
+
+def _gathered(mine: dict[str, Any]) -> dict[str, Any]:
+    """The union over the ranks of each rank's `mine` (name -> value)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(mine)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for rank_items in every for k, v in rank_items.items()}
+
+
+def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """The optimizer's state by parameter name, as logical tensors (:func:`_logical`)."""
+    names, out = _names(model), {}
+    state = optimizer.state_dict()["state"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in state.items():
+        p = params[index]
+        out[names[id(p)]] = {key: _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
+                             for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
+    return out
+
+
+def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups' hyper-parameters, each with its parameters' names (every rank's, under ZeRO-1)."""
+    names = _names(model)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]  # fmt: skip
+    group_of = _gathered({name: i for i, g in enumerate(groups) for name in g["params"]})
+    for i, g in enumerate(groups):
+        g["params"] = [name for name, gi in group_of.items() if gi == i]
+    return groups
+
+
+def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: Any = None, extra: Any = None, meta: Any = None) -> Path:  # fmt: skip
+    """Saves `tag` in the portable format (see the module); every rank calls it. Returns the tag's folder."""
+    if getattr(getattr(optimizer, "offload", None), "offloaded", False):
+        raise RuntimeError("save_portable() while the optimizer's state is offloaded: call reload_states() first")
+    start = time.perf_counter()
+    rank, world = rank_and_world()
+    directory = Path(directory)
+    final, saving = directory / tag, directory / f"{tag}{SAVING}"
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for left in directory.glob(f"*{SAVING}"):  # what a killed save left
+            shutil.rmtree(left, ignore_errors=True)
+        saving.mkdir()
+    _barrier()
+    state = {MODEL: {k: v.detach() for k, v in model.state_dict().items()}, OPTIM: _optimizer_tensors(model, optimizer)}
+    groups = _groups(model, optimizer)
+    keys = _gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
+    if rank == 0:
+        info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
+                "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": extra, "meta": meta}  # fmt: skip
+        write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
+    dcp.save(state, checkpoint_id=saving)  # .metadata last, once every rank's pieces are written
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        saving.rename(final)
+        write_atomic(directory / "latest", lambda f: f.write(tag.encode()))
+    _barrier()
+    notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
+    return final
+
+
+def latest_tag(directory: Path) -> str | None:
+    """The tag ``latest`` names in `directory`, if there is one."""
+    latest = directory / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _tag_of(directory: Path, tag: str | None) -> str:
+    tag = tag if tag is not None else latest_tag(directory)
+    if tag is None:
+        raise CheckpointError(f"no 'latest' in {directory}: name a tag, or save a checkpoint there first")
+    return tag
+
+
+def _host_target(t: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor DCP reads `t`'s pieces into (a DTensor with `t`'s placements where `t` is one)."""
+    if DTensor is not None and isinstance(t, DTensor):
+        piece = torch.empty(local(t).shape, dtype=t.dtype)
+        return DTensor.from_local(piece, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())  # fmt: skip
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, scheduler: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """Loads a portable checkpoint saved by any number of ranks into this run (every rank calls it); returns the
+    saved (extra, meta with the tag). Nothing changes unless everything was read."""
+    start = time.perf_counter()
+    directory = Path(directory)
+    tag = _tag_of(directory, tag)
+    folder = directory / tag
+    if not is_portable(folder):
+        raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata): "
+                              "load another tag, or save it again")  # fmt: skip
+    info = torch.load(folder / INFO, weights_only=True)
+    names = _names(model)
+    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    saved_groups = info["param_groups"]
+    saved_names = {name for g in saved_groups for name in g["params"]}
+    missing = sorted(set(by_name) - (saved_names & set(info["state_keys"])))
+    if missing:
+        raise CheckpointError(f"checkpoint {tag!r} has no optimizer state for {missing[:3]} (of {len(missing)}): "
+                              "the model differs from the saved one")  # fmt: skip
+    model_now = model.state_dict()
+    target = {MODEL: {k: _host_target(v) for k, v in model_now.items()}, OPTIM: {}}
+    for name, p in by_name.items():
+        target[OPTIM][name] = {k: torch.zeros(()) if k == "step" else _host_target(p.detach().float())
+                               for k in info["state_keys"][name]}  # fmt: skip
+    try:
+        dcp.load(target, checkpoint_id=folder)
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException, kept in the message)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = lines[-1][:300] if lines else type(exc).__name__
+        raise CheckpointError(f"checkpoint {tag!r} in {folder} cannot be read ({reason}); nothing was changed: "
+                              "load another tag, or save it again") from exc  # fmt: skip
+    # everything read: the state as the optimizer's load_state_dict takes it
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    group_of = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, p in enumerate(params):
+        entry = target[OPTIM][names[id(p)]]
+        state[index] = {k: v if v.dim() == 0 and p.dim() != 0 else local(v).reshape(local(p).shape)
+                        for k, v in entry.items()}  # fmt: skip
+    index_of, groups = {id(p): i for i, p in enumerate(params)}, []
+    for g in optimizer.param_groups:
+        saved = saved_groups[group_of[names[id(g["params"][0])]]] if g["params"] else {}
+        groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                       "params": [index_of[id(p)] for p in g["params"]]})  # fmt: skip
+    # the weights first (a CPU share's masters are taken from them where the state has none), then the optimizer,
+    # whose load_state_dict checks everything before it changes anything: if it refuses, the weights go back
+    before = {key: local(now).detach().to("cpu", copy=True) for key, now in model_now.items()}
+    with torch.no_grad():
+        for key, now in model_now.items():
+            local(now).copy_(local(target[MODEL][key]))
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except Exception as exc:
+        with torch.no_grad():
+            for key, now in model_now.items():
+                local(now).copy_(before[key])
+        raise CheckpointError(
+            f"checkpoint {tag!r}: the optimizer refused its state ({exc}); nothing was changed"
+        ) from exc
+    if scheduler is not None and info["scheduler"] is not None:
+        scheduler.load_state_dict(info["scheduler"])
+    rank, world = rank_and_world()
+    moved = f" (saved by {info['world_size']} ranks)" if info["world_size"] != world else ""
+    notice("loaded portable checkpoint %s%s in %.1f s", folder, moved, time.perf_counter() - start)
+    return info["extra"], {**(info["meta"] or {}), "tag": tag}
