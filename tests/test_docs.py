@@ -35,7 +35,7 @@ def test_a_pages_python_runs_as_written(tmp_path: Path, page: Path) -> None:
 def test_pages_with_code_are_the_ones_expected() -> None:
     """A page that loses its code (or a new page with code) is a change this test makes visible."""
     with_code = {p.name for p in PAGES if python_blocks(p)}
-    assert with_code == {"engine.md", "lightning.md", "rl.md"}
+    assert with_code == {"checkpoints.md", "engine.md", "lightning.md", "rl.md"}
 
 
 def test_the_site_lists_every_page_and_readme_links_resolve() -> None:
