@@ -45,6 +45,16 @@ def test_a_checkpoint_of_n_processes_resumes_on_m(tmp_path, saved: int, resumed:
     assert again["after"] == pytest.approx(first["after"], rel=tolerance)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_on_the_same_world_size_the_state_comes_back_bit_for_bit(tmp_path, precision: str) -> None:
+    """Two ranks to two under FSDP2: every block is the same block after the load, so the compact codes, scales and
+    24-bit masters come back exactly (decoded, then encoded to the nearest), and the run continues bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt))
+    again = _launch(tmp_path, "resumed", 2, 3, precision, 0.5, "--load", str(ckpt))
+    assert again["after"] == first["after"]
+
+
 def test_a_resume_at_another_ratio_and_precision(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt))
