@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
+    parser.add_argument("--asynchronous", action="store_true", help="--save: written while training goes on")
     args = parser.parse_args()
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
                       LOCAL_WORLD_SIZE=str(args.world))  # fmt: skip
@@ -89,13 +90,14 @@ def main() -> None:
     report: dict = {}
     if args.save:
         report["before"] = train(engine, range(BEFORE), args.rank, args.world)
-        engine.save_checkpoint(args.save, "moved", portable=True)
+        engine.save_checkpoint(args.save, "moved", portable=True, asynchronous=args.asynchronous)
         if os.environ.get("PORTABLE_DEBUG"):
             sd = engine.local_optimizer.state_dict()
             for i, e in list(sd["state"].items())[:2]:
                 print("rank", args.rank, i, {k: (tuple(v.shape), float(v.float().abs().sum())) for k, v in e.items()})
             print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
         report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world)
+        engine.wait_checkpoint()
     else:
         engine.load_checkpoint(args.load)
         if os.environ.get("PORTABLE_DEBUG"):

@@ -55,6 +55,14 @@ def test_on_the_same_world_size_the_state_comes_back_bit_for_bit(tmp_path, preci
     assert again["after"] == first["after"]
 
 
+def test_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path) -> None:
+    """The engine's asynchronous save (written while the three next steps train) resumes as the synchronous one."""
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt), "--asynchronous")
+    again = _launch(tmp_path, "resumed", 1, 3, "fp32", 0.5, "--load", str(ckpt))
+    assert again["after"] == pytest.approx(first["after"], rel=1e-4)
+
+
 def test_a_resume_at_another_ratio_and_precision(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt))
@@ -106,3 +114,22 @@ def test_a_killed_save_leaves_the_previous_tag_and_the_next_save_cleans_up(tmp_p
     # the resumed optimizer continues as the saved one: the same next step, bit for bit
     _train(other, other_opt, 1)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))
+
+
+def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path) -> None:
+    """Training goes on while the files are written: what is saved is the state when the save began, and the tag
+    appears (with ``latest``) only once the save has finished."""
+    model, opt = _single(0)
+    _train(model, opt)
+    reference, reference_opt = _single(0)
+    _train(reference, reference_opt)
+    pending = portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True)
+    _train(model, opt, 2)  # while it is written: weights and state change in place
+    folder = pending.wait()
+    assert folder == tmp_path / "ckpt" / "a" and (tmp_path / "ckpt" / "latest").read_text() == "a"
+    other, other_opt = _single(1)
+    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
+    _train(other, other_opt, 1)
+    _train(reference, reference_opt, 1)
+    assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))

@@ -113,9 +113,86 @@ def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[di
     return groups
 
 
+class PendingSave:
+    """A portable save still being written in the background (``save_portable(..., asynchronous=True)``): the
+    tensors were copied out when it began, so training goes on and changes nothing in it. :meth:`wait` ends it:
+    once DCP's metadata has landed, rank 0 renames the tag into place and writes ``latest``."""
+
+    def __init__(self, future: Any, saving: Path, final: Path, start: float) -> None:
+        self.future, self.saving, self.final, self.start = future, saving, final, start
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> Path:
+        """Blocks until the save has been written and put in place; returns the tag's folder."""
+        self.future.result()  # a failed write raises here, and the tag stays "<tag>.saving" (removed later)
+        if rank_and_world()[0] == 0:
+            _put_in_place(self.saving, self.final)
+        notice("saved portable checkpoint %s in the background in %.1f s", self.final,
+               time.perf_counter() - self.start)  # fmt: skip
+        return self.final
+
+
+def _host_copy(tree: Any) -> Any:
+    """`tree` with every tensor copied into new host memory (a DTensor: its local piece, over the same mesh), so
+    that training may change the originals while the copy is written."""
+    if isinstance(tree, dict):
+        return {k: _host_copy(v) for k, v in tree.items()}
+    if DTensor is not None and isinstance(tree, DTensor):
+        piece = tree.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(piece, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
+                                  stride=tree.stride())  # fmt: skip
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    return tree
+
+
+class _AlreadyStaged:
+    """DCP's staging step for a state dict :func:`_host_copy` made: nothing more to copy (DCP's own stager copies
+    every tensor again, and failed on FSDP2's DTensors here: "copy_() on an invalid python storage")."""
+
+    _synchronize_after_execute = True
+    should_synchronize_after_execute = True
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_checkpoint_group: Any = None
+
+
+def _background_group() -> Any:
+    """A gloo process group of every rank for the background writes' collectives (made once, by every rank: the
+    training's own group stays free of them); None without torch.distributed."""
+    global _checkpoint_group  # noqa: PLW0603 (one group a process, made at its first asynchronous save)
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo")
+    return _checkpoint_group
+
+
+def _put_in_place(saving: Path, final: Path) -> None:
+    """Rank 0: the written tag renamed into place, then ``latest``."""
+    if final.exists():
+        shutil.rmtree(final)
+    saving.rename(final)
+    write_atomic(final.parent / "latest", lambda f: f.write(final.name.encode()))
+
+
 def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  scheduler: Any = None, extra: Any = None, meta: Any = None) -> Path:  # fmt: skip
-    """Saves `tag` in the portable format (see the module); every rank calls it. Returns the tag's folder."""
+                  scheduler: Any = None, extra: Any = None, meta: Any = None,
+                  asynchronous: bool = False) -> Path | PendingSave:  # fmt: skip
+    """Saves `tag` in the portable format (see the module); every rank calls it. Returns the tag's folder, or with
+    `asynchronous` a :class:`PendingSave` as soon as the tensors are copied out (the files are written in the
+    background; call its ``wait()`` before the next save or load, or the end of the run)."""
     if getattr(getattr(optimizer, "offload", None), "offloaded", False):
         raise RuntimeError("save_portable() while the optimizer's state is offloaded: call reload_states() first")
     start = time.perf_counter()
@@ -136,13 +213,14 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra, "meta": meta}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
+    if asynchronous:  # copied to host memory now, written by a thread (.metadata last, as below)
+        future = dcp.async_save(_host_copy(state), checkpoint_id=saving, process_group=_background_group(),
+                                async_stager=_AlreadyStaged())  # fmt: skip
+        return PendingSave(future, saving, final, start)
     dcp.save(state, checkpoint_id=saving)  # .metadata last, once every rank's pieces are written
     _barrier()
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        saving.rename(final)
-        write_atomic(directory / "latest", lambda f: f.write(tag.encode()))
+        _put_in_place(saving, final)
     _barrier()
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
     return final

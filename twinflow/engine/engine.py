@@ -145,6 +145,7 @@ class Engine:
         self.config = config
         self.world_size = config.world_size
         self.module = model
+        self.pending_save: portable_checkpoint.PendingSave | None = None  # an asynchronous save being written
         stage = config.zero_optimization.stage
         distributed = self.world_size > 1
         if config.bf16.enabled:
@@ -281,23 +282,40 @@ class Engine:
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
-                        portable: bool = False) -> Path:  # fmt: skip
+                        portable: bool = False, asynchronous: bool = False) -> Path:  # fmt: skip
         """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically; `portable`: in the
         format another number of processes resumes from (:mod:`twinflow.checkpoint.portable`, on PyTorch's
-        distributed checkpoint)."""
+        distributed checkpoint); `asynchronous` (portable only): written in the background while training goes
+        on, put in place at the next save or load or :meth:`wait_checkpoint`."""
+        self.wait_checkpoint()
+        if asynchronous and not portable:
+            raise ValueError("save_checkpoint(asynchronous=True) writes the portable format: pass portable=True")
         tag = tag or f"global_step{self.global_steps}"
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
                  "skipped_steps": self.skipped_steps,
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}  # fmt: skip
         chosen = self.local_optimizer.ratio  # offload_ratio "auto": the ratio chosen at the first step
         meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio if chosen is None else chosen}
-        save = portable_checkpoint.save_portable if portable else save_checkpoint
-        return save(save_dir, tag, model=self.module, optimizer=self.local_optimizer, scheduler=self.lr_scheduler,
-                    extra=extra, meta=meta)  # fmt: skip
+        parts = dict(model=self.module, optimizer=self.local_optimizer, scheduler=self.lr_scheduler, extra=extra,
+                     meta=meta)  # fmt: skip
+        if not portable:
+            return save_checkpoint(save_dir, tag, **parts)
+        saved = portable_checkpoint.save_portable(save_dir, tag, **parts, asynchronous=asynchronous)
+        if isinstance(saved, portable_checkpoint.PendingSave):
+            self.pending_save = saved
+            return saved.final
+        return saved
+
+    def wait_checkpoint(self) -> Path | None:
+        """Waits for an asynchronous save still being written and puts it in place; returns its folder (None: no
+        save was pending)."""
+        pending, self.pending_save = self.pending_save, None
+        return pending.wait() if pending is not None else None
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
+        self.wait_checkpoint()
         folder = Path(load_dir) / (tag or portable_checkpoint.latest_tag(Path(load_dir)) or "")
         load = portable_checkpoint.load_portable if portable_checkpoint.is_portable(folder) else load_checkpoint
         extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
