@@ -4,12 +4,11 @@ Layout of ``save_checkpoint(directory, tag, ...)``::
 
     directory/
       latest                 the newest complete tag (written last, atomically)
-      <tag>/rank<r>.pt       one shard per rank: model, optimizer, scheduler, extra state
+      <tag>/rank<r>.pt       one shard per rank: model, optimizer, scheduler, extra state, layout (names)
       <tag>/meta.json        world size, twinflow version, each shard's size and sha256, caller metadata
 
-Every file is written under a temporary name, flushed to disk (fsync) and
-renamed into place, so a crash leaves either the old checkpoint or the new
-one. ``meta.json`` is renamed last: a tag without it is incomplete. The
+Every file is written under a temporary name, flushed to disk (fsync) and renamed into place, so a crash leaves
+either the old checkpoint or the new one. ``meta.json`` is renamed last: a tag without it is incomplete. The
 arguments are checked (``meta`` as JSON, ``extra`` as something
 ``torch.load(weights_only=True)`` reads back) and the shard is written to its
 temporary before the tag folder is created, so a save that fails leaves
@@ -46,7 +45,7 @@ import torch
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
-from twinflow.checkpoint import compact_checkpoint
+from twinflow.checkpoint import compact_checkpoint, consolidate
 from twinflow.checkpoint.checkpoint_files import (
     DAMAGED,
     CheckpointError,
@@ -211,6 +210,7 @@ def save_checkpoint(
                 "model": _local_state(model, optimizer),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra,
+                "layout": consolidate.layout(model, optimizer),
             }
             if compact_checkpoint.writes_compact(optimizer):  # its state as it is kept, a record at a time
                 write = functools.partial(compact_checkpoint.write, optimizer=optimizer, **shard)

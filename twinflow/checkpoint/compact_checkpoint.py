@@ -14,7 +14,9 @@ then n bytes: one ``torch.save`` of the frame's object, read with ``torch.load(w
 holds ``version``; ``precision`` (the state's); ``record_elements`` (the most elements a record holds: a 32nd
 of the optimizer's ``chunk_bytes``, in whole blocks); ``model``: ``[key, shape, dtype]`` per tensor of the
 model's (local) state dict; ``params``: ``[shape, dtype, step]`` per parameter of the optimizer, in its order
-(step None: no state); ``param_groups`` as ``state_dict()`` packs them; ``scheduler`` and ``extra``; and
+(step None: no state); ``param_groups`` as ``state_dict()`` packs them; ``scheduler`` and ``extra``; ``layout``
+(each parameter's names in the model and the model's dim-0 sharded tensors' whole shapes, for
+:mod:`twinflow.checkpoint.consolidate`; absent before it was added); and
 ``records``, each one of
 
 - ``["model", k, start, end]``: elements [start, end) of the k-th model tensor, flat: one tensor.
@@ -219,9 +221,10 @@ def packed_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write(f: IO[bytes], *, model: dict[str, torch.Tensor], optimizer: TwinFlowAdam, scheduler: Any,
-          extra: dict[str, Any]) -> None:  # fmt: skip
+          extra: dict[str, Any], layout: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Writes a compact shard to `f` (a seekable file): `model` (the rank's tensors of the model's state dict),
-    `optimizer`'s state as it is kept (no step under way), the scheduler's state dict and `extra`."""
+    `optimizer`'s state as it is kept (no step under way), the scheduler's state dict, `extra` and `layout` (the
+    parameters' names and the sharded tensors, for the converter)."""
     owner = optimizer.state_owner
     owner.check_settled()  # between backward and step(), commits and eager kernels may still write the state
     owner.settle_state()
@@ -241,7 +244,7 @@ def write(f: IO[bytes], *, model: dict[str, torch.Tensor], optimizer: TwinFlowAd
         "model": [[key, list(t.shape), str(t.dtype).removeprefix("torch.")] for key, t in model.items()],
         "params": [[list(p.shape), str(p.dtype).removeprefix("torch."), s] for p, s in zip(owner.locals, steps)],
         "param_groups": packed_groups(optimizer.param_groups), "scheduler": scheduler, "extra": extra,
-        "records": model_records + state_records,
+        "layout": layout, "records": model_records + state_records,
     }  # fmt: skip
     f.write(MAGIC)
     _write_frame(f, head)

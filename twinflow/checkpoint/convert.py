@@ -1,6 +1,13 @@
-"""A compact checkpoint's optimizer state in torch.optim's layout: decoded in memory, or streamed to a file.
+"""A checkpoint's optimizer state in torch.optim's layout (decoded in memory, or streamed to a file), and its
+model's consolidated weights for the hub.
 
-    python -m twinflow.checkpoint.convert CKPT_DIR TAG OUT.pt [--rank R]
+    python -m twinflow.convert CKPT_DIR TAG OUT.pt [--rank R]
+    python -m twinflow.convert CKPT_DIR TAG [OUT.pt] --safetensors DIR [--dtype bf16] [--max-shard-size 5GB]
+        [--hf-config HF_DIR]
+
+``--safetensors DIR`` writes the model's weights (the optimizer's float32 masters where it keeps them, merged
+across ranks) as safetensors that Hugging Face ``from_pretrained`` loads, streamed with bounded memory: see
+:mod:`twinflow.checkpoint.consolidate`. The rest of this docstring is about OUT.pt.
 
 reads rank R's shard (default 0) of checkpoint TAG (``latest``: the tag the ``latest`` file names) in CKPT_DIR,
 verifies it as :func:`twinflow.checkpoint.checkpoint.load_checkpoint` does (its size and sha256 against meta.json, every
@@ -27,7 +34,6 @@ optimizer that does not take the compact records.
 from __future__ import annotations
 
 import argparse
-import os
 import struct
 import sys
 import zipfile
@@ -45,11 +51,11 @@ from twinflow.checkpoint.checkpoint_files import (
     rename_into_place,
     save_to_stream,
     sha256_of,
-    size_error,
     temp_path,
     write_temp,
 )
 from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.checkpoint.consolidate import consolidate, parse_size, pwrite_all, shard_file
 from twinflow.precision import compact
 from twinflow.precision.compact import BLOCK, blocks
 
@@ -140,13 +146,6 @@ def storage_offsets(path: Path, obj: Any) -> list[tuple[torch.Tensor, int]]:
     return [(t, s.data_ptr() - base) for t, s in pairs]
 
 
-def _pwrite_all(fd: int, array: Any, offset: int) -> None:
-    view = memoryview(array).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
 def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
     """Writes the verified `shard`'s optimizer state, in torch.optim's layout, to `f` (the file at `path`): the
     skeleton first, then each record decoded in place (module docstring)."""
@@ -164,11 +163,11 @@ def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
         if id(t) in placeholders:
             where[placeholders[id(t)]] = offset
         else:  # the step counts, and any tensor in the param groups: their bytes, whole
-            _pwrite_all(f.fileno(), torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy(), offset)
+            pwrite_all(f.fileno(), torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy(), offset)
     del skeleton, state
     for record, payload in shard.frames(("state",)):
         for key, at, values in decode_record(record, payload):
-            _pwrite_all(f.fileno(), values.contiguous().numpy(), where[(record[1], key)] + 4 * at)
+            pwrite_all(f.fileno(), values.contiguous().numpy(), where[(record[1], key)] + 4 * at)
 
 
 def convert(directory: str | Path, tag: str | None, out: str | Path, rank: int = 0) -> Path:
@@ -176,18 +175,8 @@ def convert(directory: str | Path, tag: str | None, out: str | Path, rank: int =
     to `out`, in torch.optim's layout (module docstring); CheckpointError naming what is wrong. Returns `out`."""
     directory, out = Path(directory), Path(out)
     tag, info = read_meta(directory, None if tag == "latest" else tag)
-    path = directory / tag / f"rank{rank}.pt"
-    expected = info["shards"].get(path.name)
-    if expected is None:
-        raise CheckpointError(
-            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
-            "rank of one of them, e.g. --rank 0"
-        )
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
-    size = path.stat().st_size
-    if size != expected["bytes"]:
-        raise size_error(tag, path, size, expected["bytes"])
+    path, expected = shard_file(directory, tag, info, rank)
+    size = expected["bytes"]
     tmp = temp_path(out.parent, out.name)
     with open(path, "rb") as f:
         if is_compact(f):
@@ -208,21 +197,48 @@ def convert(directory: str | Path, tag: str | None, out: str | Path, rank: int =
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m twinflow.checkpoint.convert",
+        prog="python -m twinflow.convert",
         description="Writes a twinflow checkpoint's optimizer state as a torch.optim state dict (float32 "
-        "exp_avg, exp_avg_sq, step; master for bf16/fp16 parameters), streamed with bounded memory.",
+        "exp_avg, exp_avg_sq, step; master for bf16/fp16 parameters) to OUT.pt, and/or (--safetensors DIR) the "
+        "model's consolidated weights as safetensors that Hugging Face from_pretrained loads: the optimizer's "
+        "float32 masters where it keeps them, merged across ranks (FSDP2 shards, ZeRO-1). Both are streamed with "
+        "bounded memory.",
     )
     parser.add_argument("directory", help="the checkpoint directory (the one given to save_checkpoint)")
     parser.add_argument("tag", help="the checkpoint's tag, or 'latest'")
-    parser.add_argument("out", help="the file to write (read it with torch.load)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose shard to convert (default 0)")
+    parser.add_argument("out", nargs="?", help="the optimizer state file to write (read it with torch.load); "
+                        "optional with --safetensors")  # fmt: skip
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose optimizer state to convert (default 0)")
+    parser.add_argument("--safetensors", metavar="DIR", help="also write the model's weights to DIR: "
+                        "model.safetensors, or several files and model.safetensors.index.json")  # fmt: skip
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="the floating weights' dtype in --safetensors (default fp32)")  # fmt: skip
+    parser.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file, e.g. 5GB, "
+                        "500MB, 2GiB (default 5GB; a larger tensor gets a file of its own)")  # fmt: skip
+    parser.add_argument("--hf-config", metavar="HF_DIR", help="a folder with the model's config.json (e.g. "
+                        "from model.config.save_pretrained): copied into --safetensors DIR, so that "
+                        "AutoModelForCausalLM.from_pretrained(DIR) works directly")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.out is None and args.safetensors is None:
+        parser.error("give OUT.pt, --safetensors DIR, or both")
+    if args.hf_config is not None and args.safetensors is None:
+        parser.error("--hf-config goes with --safetensors DIR")
     try:
-        out = convert(args.directory, args.tag, args.out, args.rank)
+        parse_size(args.max_shard_size)
+    except ValueError as exc:
+        parser.error(f"--max-shard-size: {exc}")
+    try:
+        if args.out is not None:
+            out = convert(args.directory, args.tag, args.out, args.rank)
+            print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
+        if args.safetensors is not None:
+            written = consolidate(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
+                                  args.hf_config)  # fmt: skip
+            size = sum(path.stat().st_size for path in written)
+            print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
     return 0
 
 

@@ -1,0 +1,456 @@
+"""A checkpoint's model as consolidated safetensors that Hugging Face ``from_pretrained`` loads, streamed.
+
+    python -m twinflow.convert CKPT_DIR TAG --safetensors OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
+        [--hf-config HF_DIR]
+
+reads every rank's shard of checkpoint TAG (each verified as the AdamW conversion verifies rank 0's) and writes
+the model's weights to OUT_DIR: ``model.safetensors``, or, past ``--max-shard-size``, ``model-00001-of-0000N
+.safetensors``... with ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name:
+file}}``), as ``save_pretrained`` writes them. Floating tensors are written as float32 (``--dtype bf16``:
+bfloat16, rounded to the nearest even), others in their own dtype.
+
+- **The weights are the optimizer's masters** where the checkpoint keeps them (the float32 master of a bfloat16 or
+  float16 parameter; a compact "int8_m24" 24-bit master decoded exactly), else the model's tensors (a float32
+  parameter, whose weight is its master; buffers; a parameter without state yet).
+- **Names** are the model's state-dict keys as saved, less a leading ``module.`` and the wrappers' segments
+  (``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``). A tied parameter (an ``lm_head``
+  sharing the embeddings) is written once, under its first name, as ``save_pretrained`` drops the tied duplicate
+  (``from_pretrained`` ties it again).
+- **Ranks are merged**: a tensor that FSDP2 sharded on dim 0 (stages 2 and 3) is its ranks' pieces in rank order;
+  under ZeRO-1 a parameter's master comes from the rank whose optimizer holds it; under DDP from rank 0. The
+  shards' ``layout`` (written by :func:`twinflow.checkpoint.save_checkpoint` since it was added) names each
+  optimizer parameter and the sharded tensors; a one-rank checkpoint without it pairs the optimizer's parameters
+  with the model's floating tensors in order, by size, and takes a tensor left over whose bytes are a paired one's
+  for its tied duplicate.
+- ``--hf-config HF_DIR``: its ``config.json`` (its ``dtype`` set to the one written) and ``generation_config.json``
+  are copied, so that ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` works directly.
+
+Memory: the files' headers are written first (every shape is in the shards' heads), then each rank's shard is read
+once, in order, and each piece written in place with ``os.pwrite``: a compact shard's record (one frame) decoded a
+batch of 65536 elements at a time, a torch.save shard's tensors (memory-mapped) :data:`BATCH` elements at a time.
+No tensor is held whole, whatever the size of the model. Every file is written under a temporary name and renamed
+into place once complete; the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinflow.base.distributed import local
+from twinflow.checkpoint.checkpoint_files import (
+    CheckpointError,
+    hash_error,
+    read_meta,
+    rename_into_place,
+    sha256_of,
+    size_error,
+    temp_path,
+    write_atomic,
+)
+from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.precision import compact
+
+BATCH = 1 << 20  # elements of a torch.save shard's tensor converted and written at once
+INDEX = "model.safetensors.index.json"
+WRAPPERS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+SAFE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+        torch.bool: "BOOL"}  # fmt: skip
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20,
+         "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``5GB`` (10**9), ``500MiB`` (2**20), or a plain number; ValueError otherwise."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and match.group(2).upper()
+    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1:
+        raise ValueError(f"{text!r} is not a size; expected e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def hub_name(key: str) -> str:
+    """`key` less a leading ``module.`` (DDP, DataParallel) and the wrappers' segments (FSDP, torch.compile,
+    activation checkpointing)."""
+    while key.startswith("module."):
+        key = key[len("module.") :]
+    return ".".join(part for part in key.split(".") if part not in WRAPPERS)
+
+
+def pwrite_all(fd: int, array: Any, offset: int) -> None:
+    """Writes all of `array`'s bytes at `offset` of the open file `fd`."""
+    view = memoryview(array).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tuple[Path, dict[str, Any]]:
+    """Rank `rank`'s shard of checkpoint `tag` (its meta.json `info`) and its recorded size and sha256, its size
+    checked; CheckpointError naming what is wrong."""
+    path = directory / tag / f"rank{rank}.pt"
+    expected = info["shards"].get(path.name)
+    if expected is None:
+        raise CheckpointError(
+            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
+            "rank of one of them, e.g. --rank 0"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise size_error(tag, path, size, expected["bytes"])
+    return path, expected
+
+
+def layout(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What the converter needs to name and merge the shards: each optimizer parameter's names in the model's state
+    dict (tied ones: every name, the first kept), and each model tensor that is a DTensor sharded on dim 0 (FSDP2)
+    with its whole shape."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
+    sharded = {}
+    for key, t in model.state_dict().items():
+        placements = getattr(t, "placements", None)
+        if placements is not None and local(t) is not t:
+            if len(placements) != 1 or not placements[0].is_shard(0):
+                sharded[key] = None  # a placement the converter does not merge
+            else:
+                sharded[key] = list(t.shape)
+    return {"params": params, "sharded": sharded}
+
+
+class _Rank:
+    """One rank's shard, verified: its model tensors (key, shape, dtype), its optimizer parameters with a master,
+    its parameters' names."""
+
+    def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int) -> None:
+        path, expected = shard_file(directory, tag, info, rank)
+        self.f = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self.where = f"checkpoint {tag!r}, shard {path}"
+        if is_compact(self.f):
+            self.shard: CompactShard | None = CompactShard(self.f, expected, tag, path)
+            self.model = self.shard.model
+            params = self.shard.params
+            self.masters = {i: shape.numel() for i, (shape, dtype, step) in enumerate(params)
+                            if step is not None and dtype != torch.float32}  # fmt: skip
+            self.shapes: list[torch.Size | None] = [shape for shape, _, _ in params]
+            layout = self.shard.head.get("layout")
+        else:
+            self.shard = None
+            found = sha256_of(path)
+            if found != expected["sha256"]:
+                raise hash_error(tag, path, found, expected["sha256"], expected["bytes"])
+            self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            if not isinstance(self.whole, dict) or not isinstance(self.whole.get("model"), dict):
+                raise CheckpointError(f"{self.where}: it holds no model state dict")
+            self.model = [(key, t.shape, t.dtype) for key, t in self.whole["model"].items()]
+            optimizer = self.whole.get("optimizer") or {}
+            state = optimizer.get("state", {})
+            count = sum(len(g["params"]) for g in optimizer.get("param_groups", []))
+            self.masters = {i: e["master"].numel() for i, e in state.items()
+                            if isinstance(e, dict) and isinstance(e.get("master"), torch.Tensor)}  # fmt: skip
+            self.shapes = [None] * count
+            for i, entry in state.items():
+                if isinstance(entry, dict) and isinstance(entry.get("exp_avg"), torch.Tensor) and i < count:
+                    self.shapes[i] = entry["exp_avg"].shape
+            layout = self.whole.get("layout")
+        self.layout = layout if isinstance(layout, dict) else None
+        self.numel = {key: shape.numel() for key, shape, _ in self.model}
+
+    def names(self) -> list[list[str]]:
+        """Each optimizer parameter's names: from the layout, else paired with the model's tensors in order, by
+        shape (a checkpoint saved before the layout was recorded)."""
+        if self.layout is not None:
+            return [list(names) for names in self.layout["params"]]
+        names: list[list[str]] = []
+        tensors = iter((key, shape) for key, shape, dtype in self.model if dtype.is_floating_point)
+        for shape in self.shapes:
+            for key, model_shape in tensors:
+                if shape is None or model_shape.numel() == shape.numel():
+                    names.append([key])
+                    break
+            else:
+                names.append([])
+        # A tensor paired with no parameter, of the same bytes as one paired: a tied duplicate (an lm_head saved
+        # with the embeddings), written once as with the layout (twice, from_pretrained would not tie them)
+        kinds = {key: (shape, dtype) for key, shape, dtype in self.model}
+        first = {key: i for i, n in enumerate(names) for key in n}
+        rest = [key for key, (_, dtype) in kinds.items() if key not in first and dtype.is_floating_point]
+        pairs = [(key, other) for key in rest for other in first if kinds[other] == kinds[key]]
+        digests = self._digests({k for pair in pairs for k in pair})
+        for key, other in pairs:
+            if key not in names[first[other]] and digests[key] == digests[other]:
+                names[first[other]].append(key)
+        return names
+
+    def _digests(self, keys: set[str]) -> dict[str, str]:
+        """The sha256 of each model tensor of `keys`, read a record (or BATCH elements) at a time."""
+        import hashlib
+
+        digests = {key: hashlib.sha256() for key in keys}
+        if self.shard is None:
+            for key in keys:
+                flat = self.whole["model"][key].reshape(-1)
+                for a in range(0, flat.numel(), BATCH):
+                    digests[key].update(flat[a : a + BATCH].contiguous().view(torch.uint8).numpy())
+        elif keys:
+            for record, payload in self.shard.frames(("model",)):
+                key = self.model[record[1]][0]
+                if key in digests:
+                    digests[key].update(payload.contiguous().view(torch.uint8).numpy())
+        return {key: digest.hexdigest() for key, digest in digests.items()}
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@dataclass
+class _Out:
+    """One tensor of the output: its name, shape and dtype, and where its elements come from: (rank, "master",
+    parameter index, first element) or (rank, "model", key, first element)."""
+
+    name: str
+    shape: list[int]
+    dtype: torch.dtype
+    sources: list[tuple[int, str, Any, int]]
+    file: int = 0
+    offset: int = 0  # of its bytes in its file
+    written: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
+    """The output's tensors, in rank 0's state-dict order, and where each comes from."""
+    if len(ranks) > 1 and any(rank.layout is None for rank in ranks):
+        raise CheckpointError(
+            f"checkpoint {tag!r} was saved by {len(ranks)} ranks before twinflow recorded the shards' layout: "
+            "resume it and save it again with this version to consolidate its weights"
+        )
+    held: dict[str, dict[int, int]] = {}  # a parameter's first name -> {rank: its index there} where a master is
+    tied: set[str] = set()
+    for r, rank in enumerate(ranks):
+        for i, names in enumerate(rank.names()):
+            if names and i in rank.masters:
+                held.setdefault(names[0], {})[r] = i
+            tied.update(names[1:])
+    sharded = (ranks[0].layout or {}).get("sharded", {})
+    outs, seen = [], {}
+    for key, shape, kind in ranks[0].model:
+        if key in tied:
+            continue  # written once, under its first name: save_pretrained drops the tied duplicate
+        name = hub_name(key)
+        if name in seen:
+            raise CheckpointError(f"checkpoint {tag!r}: {seen[name]!r} and {key!r} are both {name!r} once the "
+                                  "wrappers' prefixes are stripped")  # fmt: skip
+        seen[name] = key
+        out_dtype = dtype if kind.is_floating_point else kind
+        if key in sharded:
+            if sharded[key] is None:
+                raise CheckpointError(f"checkpoint {tag!r}: {key!r} is a DTensor sharded other than on dim 0 by "
+                                      "one mesh dimension, which this converter does not merge")  # fmt: skip
+            sources, first = [], 0
+            for r, rank in enumerate(ranks):
+                if key not in rank.numel:
+                    raise CheckpointError(f"{rank.where}: it has no {key!r}, which rank 0's shard has")
+                i = held.get(key, {}).get(r)
+                sources.append((r, "master", i, first) if i is not None else (r, "model", key, first))
+                first += rank.numel[key]
+            out = _Out(name, list(sharded[key]), out_dtype, sources)
+            if first != out.numel:
+                raise CheckpointError(f"checkpoint {tag!r}: the ranks' pieces of {key!r} hold {first} elements, "
+                                      f"its shape {out.shape} {out.numel}")  # fmt: skip
+        else:
+            holders = held.get(key, {})
+            r = min(holders) if holders else 0
+            source = (r, "master", holders[r], 0) if holders else (0, "model", key, 0)
+            out = _Out(name, list(shape), out_dtype, [source])
+        for r, what, ref, _ in out.sources:
+            n = ranks[r].masters[ref] if what == "master" else ranks[r].numel[key]
+            if n != ranks[r].numel[key]:
+                raise CheckpointError(f"{ranks[r].where}: the master of {key!r} has {n} elements, the tensor "
+                                      f"{ranks[r].numel[key]}: its layout does not fit its model")  # fmt: skip
+        outs.append(out)
+    return outs
+
+
+def _files(outs: list[_Out], max_bytes: int) -> list[list[_Out]]:
+    """The tensors in files of at most `max_bytes` each (a larger tensor alone in its own), in order, as
+    save_pretrained splits them."""
+    files: list[list[_Out]] = [[]]
+    size = 0
+    for out in outs:
+        if files[-1] and size + out.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        out.file = len(files) - 1
+        files[-1].append(out)
+        size += out.nbytes
+    return files
+
+
+def _header(outs: list[_Out]) -> bytes:
+    """The safetensors header (its length, then JSON padded to 8 bytes); sets each tensor's offset."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for out in outs:
+        entries[out.name] = {"dtype": SAFE[out.dtype], "shape": out.shape, "data_offsets": [at, at + out.nbytes]}
+        out.offset = at
+        at += out.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    for out in outs:
+        out.offset += 8 + len(text)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_piece(fd: int, offset: int, values: torch.Tensor) -> None:
+    """Writes `values` (a flat batch, already in the output's dtype) at `offset`: the one place bytes go out."""
+    pwrite_all(fd, values.contiguous().view(torch.uint8).numpy(), offset)
+
+
+def _put(fds: list[int], out: _Out, at: int, values: torch.Tensor) -> None:
+    values = values.reshape(-1).to(out.dtype)
+    write_piece(fds[out.file], out.offset + at * out.dtype.itemsize, values)
+    out.written += values.numel()
+
+
+def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int]) -> None:
+    """Writes every piece the output takes from rank `r`'s shard, reading it once, in order."""
+    masters, models = {}, {}
+    for out in outs:
+        for source, what, ref, first in out.sources:
+            if source == r:
+                (masters if what == "master" else models)[ref] = (out, first)
+    if rank.shard is None:  # torch.save's layout, memory-mapped: a batch of each tensor at a time
+        state = (rank.whole.get("optimizer") or {}).get("state", {})
+        tensors = [(rank.whole["model"][key], hit) for key, hit in models.items()]
+        tensors += [(state[i]["master"], hit) for i, hit in masters.items()]
+        for tensor, (out, first) in tensors:
+            flat = tensor.reshape(-1)
+            for a in range(0, flat.numel(), BATCH):
+                _put(fds, out, first + a, flat[a : a + BATCH])
+        return
+    kinds = ("model", "state") if masters else ("model",)
+    step = convert_elements(torch.device("cpu"))
+    for record, payload in rank.shard.frames(kinds):
+        if record[0] == "model":
+            hit = models.get(rank.model[record[1]][0])
+            if hit is not None:
+                _put(fds, hit[0], hit[1] + record[2], payload)
+            continue
+        _, i, start, end, form = record
+        hit = masters.get(i)
+        if hit is None:
+            continue
+        for a in range(0, end - start, step):
+            b = min(end - start, a + step)
+            values = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
+            _put(fds, hit[0], hit[1] + start + a, values)
+
+
+def _copy_config(source: Path, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+    """config.json from `source` (its dtype set to the one written) and generation_config.json if there."""
+    config = json.loads((source / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = name
+    written = [out_dir / "config.json"]
+    write_atomic(written[0], lambda f: f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode()))
+    generation = source / "generation_config.json"
+    if generation.is_file():
+        data = generation.read_bytes()
+        written.append(out_dir / generation.name)
+        write_atomic(written[-1], lambda f: f.write(data))
+    return written
+
+
+def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dtype: str | torch.dtype = "fp32",
+                max_shard_size: str | int = "5GB", hf_config: str | Path | None = None) -> list[Path]:  # fmt: skip
+    """Writes checkpoint `tag`'s (None or "latest": the latest) model in `directory` to `out_dir` as safetensors
+    (module docstring); CheckpointError naming what is wrong. Returns the files written."""
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype!r}; expected one of {sorted(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    if hf_config is not None and not (Path(hf_config) / "config.json").is_file():
+        raise CheckpointError(f"--hf-config {hf_config}: no config.json there; pass the folder that "
+                              "model.config.save_pretrained(folder) wrote")  # fmt: skip
+    directory, out_dir = Path(directory), Path(out_dir)
+    tag, info = read_meta(directory, None if tag == "latest" else tag)
+    ranks: list[_Rank] = []
+    temps: list[Path] = []
+    fds: list[int] = []
+    try:
+        for r in range(info["world_size"]):
+            ranks.append(_Rank(directory, tag, info, r))
+        outs = _plan(ranks, dtype, tag)
+        files = _files(outs, max_bytes)
+        names = (["model.safetensors"] if len(files) == 1
+                 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])  # fmt: skip
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, group in zip(names, files):
+            temps.append(temp_path(out_dir, name))
+            fds.append(os.open(temps[-1], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+            head = _header(group)
+            os.pwrite(fds[-1], head, 0)
+            os.ftruncate(fds[-1], len(head) + sum(out.nbytes for out in group))
+        for r, rank in enumerate(ranks):
+            _stream(r, rank, outs, fds)
+        for out in outs:
+            if out.written != out.numel:
+                raise CheckpointError(f"checkpoint {tag!r}: the shards gave {out.written} of {out.name!r}'s "
+                                      f"{out.numel} elements; their records do not cover it")  # fmt: skip
+        for fd in fds:
+            os.fsync(fd)
+            os.close(fd)
+        fds.clear()
+        written = []
+        for tmp, name in zip(temps, names):
+            rename_into_place(tmp, out_dir / name)
+            written.append(out_dir / name)
+        temps.clear()
+        stale = [p for p in out_dir.glob("model*.safetensors") if p.name not in names]
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(out.nbytes for out in outs)},
+                     "weight_map": {out.name: names[out.file] for out in outs}}  # fmt: skip
+            write_atomic(out_dir / INDEX, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
+            written.append(out_dir / INDEX)
+        else:
+            stale.append(out_dir / INDEX)
+        for path in stale:  # a conversion before into another number of files: from_pretrained would mix them
+            path.unlink(missing_ok=True)
+        if hf_config is not None:
+            written += _copy_config(Path(hf_config), out_dir, dtype)
+        return written
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        for rank in ranks:
+            rank.close()
