@@ -63,6 +63,16 @@ def test_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path) -> None:
     assert again["after"] == pytest.approx(first["after"], rel=1e-4)
 
 
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)])
+def test_under_zero_1_each_ranks_share_of_the_state_comes_together(tmp_path, saved: int, resumed: int) -> None:
+    """ZeRO-1: each rank's optimizer holds some parameters' state; the saved hyper-parameters are the ones the
+    scheduler set after the last step (ZeRO-1's groups hand them to the local optimizer only at the next step)."""
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", saved, 1, "fp32", 0.5, "--save", str(ckpt))
+    again = _launch(tmp_path, "resumed", resumed, 1, "fp32", 0.5, "--load", str(ckpt))
+    assert again["after"] == pytest.approx(first["after"], rel=1e-4)
+
+
 def test_a_resume_at_another_ratio_and_precision(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt))

@@ -296,6 +296,9 @@ class Engine:
                  "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}  # fmt: skip
         chosen = self.local_optimizer.ratio  # offload_ratio "auto": the ratio chosen at the first step
         meta = {"config": self.config.model_dump(mode="json"), "ratio": self.config.ratio if chosen is None else chosen}
+        if self.optimizer is not self.local_optimizer:  # ZeRO-1: the scheduler set its groups' lr after the step,
+            for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):  # not yet ours
+                local["lr"] = group["lr"]
         parts = dict(model=self.module, optimizer=self.local_optimizer, scheduler=self.lr_scheduler, extra=extra,
                      meta=meta)  # fmt: skip
         if not portable:
