@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
     parser.add_argument("--asynchronous", action="store_true", help="--save: written while training goes on")
+    parser.add_argument("--per-rank", action="store_true", help="--save: the per-rank format, not the portable one")
     args = parser.parse_args()
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
                       LOCAL_WORLD_SIZE=str(args.world))  # fmt: skip
@@ -90,7 +91,7 @@ def main() -> None:
     report: dict = {}
     if args.save:
         report["before"] = train(engine, range(BEFORE), args.rank, args.world)
-        engine.save_checkpoint(args.save, "moved", portable=True, asynchronous=args.asynchronous)
+        engine.save_checkpoint(args.save, "moved", portable=not args.per_rank, asynchronous=args.asynchronous)
         if os.environ.get("PORTABLE_DEBUG"):
             sd = engine.local_optimizer.state_dict()
             for i, e in list(sd["state"].items())[:2]:
