@@ -53,14 +53,14 @@ def config(stage: int, precision: str, ratio: float) -> dict:
     }  # fmt: skip
 
 
-def train(engine, steps: range, rank: int, world: int) -> list[float]:  # noqa: ANN001
+def train(engine, steps: range, rank: int, world: int, device: torch.device) -> list[float]:  # noqa: ANN001
     losses = []
     for step in steps:
         gen = torch.Generator().manual_seed(500 + step)
         x, y = torch.randn(GLOBAL, WIDTH, generator=gen), torch.randn(GLOBAL, 8, generator=gen)
         share = GLOBAL // world
-        loss = torch.nn.functional.mse_loss(engine(x[rank * share : (rank + 1) * share]),
-                                            y[rank * share : (rank + 1) * share])  # fmt: skip
+        x, y = x[rank * share : (rank + 1) * share].to(device), y[rank * share : (rank + 1) * share].to(device)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
@@ -74,6 +74,7 @@ def main() -> None:
     for name in ("--rank", "--world", "--stage"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--rendezvous", required=True)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: rank r drives cuda:r")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--ratio", type=float, default=0.5)
@@ -84,20 +85,24 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
                       LOCAL_WORLD_SIZE=str(args.world))  # fmt: skip
-    torch.distributed.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank,
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", args.rank)
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(args.backend, init_method=f"file://{args.rendezvous}", rank=args.rank,
                                          world_size=args.world)  # fmt: skip
     torch.manual_seed(0 if args.save else 9)  # resumed: other weights, all must come from the load
-    engine, *_ = twinflow.initialize(model=Net(), config=config(args.stage, args.precision, args.ratio))
+    engine, *_ = twinflow.initialize(model=Net().to(device), config=config(args.stage, args.precision, args.ratio))
     report: dict = {}
     if args.save:
-        report["before"] = train(engine, range(BEFORE), args.rank, args.world)
+        report["before"] = train(engine, range(BEFORE), args.rank, args.world, device)
         engine.save_checkpoint(args.save, "moved", portable=not args.per_rank, asynchronous=args.asynchronous)
         if os.environ.get("PORTABLE_DEBUG"):
             sd = engine.local_optimizer.state_dict()
             for i, e in list(sd["state"].items())[:2]:
                 print("rank", args.rank, i, {k: (tuple(v.shape), float(v.float().abs().sum())) for k, v in e.items()})
             print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
-        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world)
+        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world, device)
         engine.wait_checkpoint()
     else:
         engine.load_checkpoint(args.load)
@@ -107,7 +112,7 @@ def main() -> None:
                 print("rank", args.rank, i, {k: (tuple(v.shape), float(v.float().abs().sum())) for k, v in e.items()})
             print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
         report["global_steps"] = engine.global_steps
-        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world)
+        report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world, device)
     if args.rank == 0:
         (args.out / "losses.json").write_text(json.dumps(report))
     torch.distributed.barrier()

@@ -17,13 +17,14 @@ from twinflow.checkpoint import CheckpointError, portable
 WORKER = Path(__file__).with_name("portable_worker.py")
 
 
-def _launch(tmp: Path, name: str, world: int, stage: int, precision: str, ratio: float, *how: str) -> dict:
+def _launch(tmp: Path, name: str, world: int, stage: int, precision: str, ratio: float, *how: str,
+            backend: str = "gloo") -> dict:  # fmt: skip
     out = tmp / name
     out.mkdir()
     rendezvous = tmp / f"{name}.rendezvous"
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--stage",
                                str(stage), "--rendezvous", str(rendezvous), "--out", str(out), "--precision",
-                               precision, "--ratio", str(ratio), *how],
+                               precision, "--ratio", str(ratio), "--backend", backend, *how],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -151,3 +152,15 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path) -> None
     _train(other, other_opt, 1)
     _train(reference, reference_opt, 1)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_on_gpus_a_checkpoint_of_four_ranks_resumes_on_two_and_on_one(tmp_path, precision: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", 4, 3, precision, 0.5, "--save", str(ckpt), backend="nccl")
+    tolerance = 1e-4 if precision == "fp32" else 2e-2
+    for world in (2, 1):
+        again = _launch(tmp_path, f"resumed{world}", world, 3, precision, 0.5, "--load", str(ckpt), backend="nccl")
+        assert again["after"] == pytest.approx(first["after"], rel=tolerance)
