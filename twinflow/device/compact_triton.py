@@ -22,6 +22,7 @@ gradient gets the L2 term.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -45,9 +46,9 @@ def interpreting() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernel can step tensors on `device`: Triton is there, and the device is a GPU (or the
-    interpreter runs it on the CPU)."""
-    return triton is not None and (device.type == "cuda" or interpreting())
+    """Whether the kernel steps tensors on `device`: Triton is there and the device is a GPU (the interpreter, which
+    runs it on the CPU for the tests, is never chosen for state on the CPU)."""
+    return triton is not None and device.type == "cuda"
 
 
 if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the interpreter's, on the CPU)
@@ -176,8 +177,11 @@ if triton is not None:  # the kernels (under TRITON_INTERPRET=1 at import: the i
 
 
 def _launch(kernel: Callable, n: int, *args: object, **constants: object) -> None:
+    """`kernel` over the blocks of `n` elements, on the device of the tensors (`args[0]`'s), not the current one."""
     grid = (compact.blocks(n),)
-    kernel[grid](*args, n, **constants, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    device = args[0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](*args, n, **constants, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def _scale(scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from twinflow.base import distributed
 from twinflow.host.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host.step_record import Phase, StepArgs, StepMode, Way
+from twinflow.precision import state_precision as precisions
 from twinflow.step.grad_notes import GradNotes, NoNotes
 from twinflow.step.settings import Settings
 from twinflow.step.speculation import SpeculationPolicy
@@ -73,7 +74,7 @@ class StepCoordinator:
         added, a frozen parameter unfrozen, or ``state_precision``, ``placement`` or ``chunk_bytes`` changed (not
         while a step is open, nor before ratio='auto' has built the first one)."""
         old, old_host, s = self.split, self.host, self.settings
-        changed = (self.groups_added or old.needs_rebuild() or old.precision.name != s.state_precision
+        changed = (self.groups_added or old.needs_rebuild() or old.precision != precisions.of(s.state_precision)
                    or old.layout != (s.placement, s.chunk_bytes))  # fmt: skip
         if self.ratio is None or old.step_open or not changed:
             return False
