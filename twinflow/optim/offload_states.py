@@ -100,7 +100,8 @@ class StateOffload:
         self.place: dict[int, tuple[int, int]] = {}  # id(storage) -> (offset, bytes), while out
         self.transient: set[int] = set()  # id(storage) of the gradients among them
         # (parameter, gradient) pairs whose gradient is out: ``p.grad`` is None meanwhile, so that nothing outside
-        # (a framework's ``module.cpu()`` at teardown, a norm) reads a tensor that has no memory
+        # (a framework's ``module.cpu()`` at teardown, a norm) reads a tensor that has no memory. Only the
+        # optimizer's zero_grad() drops them; a module's zero_grad() meanwhile finds no gradient to clear
         self.detached: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def check(self, what: str) -> None:
@@ -267,8 +268,10 @@ def reload(opt: Any) -> int:
     moved = opt.offload.reload()
     split.come_back()
     for p, grad in detached:
-        if p.grad is None:  # a gradient set meanwhile (a backward) is the newer one: it stays
+        if p.grad is None:
             p.grad = grad
+        else:  # a backward meanwhile: it adds to the gradient that was out, as it would have without the offload
+            p.grad.add_(grad)
     return moved
 
 
