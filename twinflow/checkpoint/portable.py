@@ -50,13 +50,20 @@ except ImportError:  # pragma: no cover (torch >= 2.4 has both)
     dcp = DTensor = None
 
 INFO = "twinflow.pt"
-SAVING = ".saving"
+SAVING, OLD = ".saving", ".old"
 MODEL, OPTIM = "model", "optim"
 
 
 def is_portable(folder: Path) -> bool:
     """Whether a tag folder holds a checkpoint of this format."""
     return (folder / INFO).is_file() and (folder / ".metadata").is_file()
+
+
+def holds(directory: Path, tag: str | None) -> bool:
+    """Whether `tag` (None: ``latest``'s) of `directory` is a checkpoint of this format (or its ``.old`` copy: a
+    process that died between a re-save's renames)."""
+    tag = tag if tag is not None else latest_tag(directory)
+    return tag is not None and (is_portable(directory / tag) or is_portable(directory / (tag + OLD)))
 
 
 def _barrier() -> None:
@@ -125,13 +132,27 @@ class PendingSave:
         return self.future.done()
 
     def wait(self) -> Path:
-        """Blocks until the save has been written and put in place; returns the tag's folder."""
-        self.future.result()  # a failed write raises here, and the tag stays "<tag>.saving" (removed later)
-        if rank_and_world()[0] == 0:
+        """Blocks until the save has been written and put in place (every rank calls it, as they called the save:
+        none returns before rank 0 has renamed the tag and written ``latest``); returns the tag's folder. A failed
+        write raises here, and the tag stays "<tag>.saving" (removed by the next save)."""
+        if self in _pending:
+            _pending.remove(self)
+        failed: BaseException | None = None
+        try:
+            self.future.result()
+        except BaseException as exc:  # noqa: BLE001 (raised below, once every rank is past the barrier)
+            failed = exc
+        if failed is None and rank_and_world()[0] == 0:
             _put_in_place(self.saving, self.final)
+        _barrier()
+        if failed is not None:
+            raise failed
         notice("saved portable checkpoint %s in the background in %.1f s", self.final,
                time.perf_counter() - self.start)  # fmt: skip
         return self.final
+
+
+_pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
 
 
 def _host_copy(tree: Any) -> Any:
@@ -180,11 +201,15 @@ def _background_group() -> Any:
 
 
 def _put_in_place(saving: Path, final: Path) -> None:
-    """Rank 0: the written tag renamed into place, then ``latest``."""
+    """Rank 0: the written tag renamed into place, then ``latest``. A tag saved again: the old folder becomes
+    ``<tag>.old`` first (a load finds it there if the process dies between the two renames), removed at the end."""
+    old = final.with_name(final.name + OLD)
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
     saving.rename(final)
     write_atomic(final.parent / "latest", lambda f: f.write(final.name.encode()))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -199,6 +224,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     rank, world = rank_and_world()
     directory = Path(directory)
     final, saving = directory / tag, directory / f"{tag}{SAVING}"
+    for pending in list(_pending):  # this process's asynchronous saves end first (every rank has them)
+        pending.wait()
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for left in directory.glob(f"*{SAVING}"):  # what a killed save left
@@ -216,7 +243,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous:  # copied to host memory now, written by a thread (.metadata last, as below)
         future = dcp.async_save(_host_copy(state), checkpoint_id=saving, process_group=_background_group(),
                                 async_stager=_AlreadyStaged())  # fmt: skip
-        return PendingSave(future, saving, final, start)
+        _pending.append(PendingSave(future, saving, final, start))
+        return _pending[-1]
     dcp.save(state, checkpoint_id=saving)  # .metadata last, once every rank's pieces are written
     _barrier()
     if rank == 0:
@@ -256,6 +284,8 @@ def load_portable(directory: str | Path, tag: str | None = None, *, model: torch
     directory = Path(directory)
     tag = _tag_of(directory, tag)
     folder = directory / tag
+    if not folder.exists() and is_portable(directory / (tag + OLD)):  # died between a re-save's two renames
+        folder = directory / (tag + OLD)
     if not is_portable(folder):
         raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata): "
                               "load another tag, or save it again")  # fmt: skip

@@ -319,8 +319,7 @@ class Engine:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
         self.wait_checkpoint()
-        folder = Path(load_dir) / (tag or portable_checkpoint.latest_tag(Path(load_dir)) or "")
-        load = portable_checkpoint.load_portable if portable_checkpoint.is_portable(folder) else load_checkpoint
+        load = portable_checkpoint.load_portable if portable_checkpoint.holds(Path(load_dir), tag) else load_checkpoint
         extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                            scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
