@@ -154,7 +154,7 @@ def test_a_shared_probe_runs_the_other_ranks_kernels_beside_its_own(monkeypatch:
     from twinflow.host import ops
     from twinflow.plan import probes
 
-    callers = set()
-    monkeypatch.setattr(ops, "adam_step_", lambda *a, **kw: callers.add(threading.get_ident()))
+    callers: set[threading.Thread] = set()  # the threads themselves: an ended thread's ident may be given again
+    monkeypatch.setattr(ops, "adam_step_", lambda *a, **kw: callers.add(threading.current_thread()))
     assert probes.cpu_kernel_rate(1, 1 << 12, sharers=3) > 0
-    assert len(callers) == 3 and threading.get_ident() in callers
+    assert len(callers) == 3 and threading.current_thread() in callers
