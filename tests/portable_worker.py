@@ -19,25 +19,12 @@ import sys
 from pathlib import Path
 
 import torch
+from launch_worker import WIDTH, Net  # the same residual MLP as the launch tests' ranks
 
 import twinflow
 
-WIDTH, DEPTH, GLOBAL = 64, 3, 4
+GLOBAL = 4  # samples of a step's batch, whatever the world size
 BEFORE, AFTER = 3, 3
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()) for _ in range(DEPTH)
-        )
-        self.head = torch.nn.Linear(WIDTH, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 def config(stage: int, precision: str, ratio: float) -> dict:

@@ -155,6 +155,15 @@ class PendingSave:
 _pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
 
 
+def wait_pending() -> Path | None:
+    """Waits for this process's asynchronous saves still being written (every rank calls it); returns the last
+    one's folder (None: none was pending)."""
+    last = None
+    for pending in list(_pending):
+        last = pending.wait()
+    return last
+
+
 def _host_copy(tree: Any) -> Any:
     """`tree` with every tensor copied into new host memory (a DTensor: its local piece, over the same mesh), so
     that training may change the originals while the copy is written."""
@@ -224,8 +233,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     rank, world = rank_and_world()
     directory = Path(directory)
     final, saving = directory / tag, directory / f"{tag}{SAVING}"
-    for pending in list(_pending):  # this process's asynchronous saves end first (every rank has them)
-        pending.wait()
+    wait_pending()  # this process's asynchronous saves end first (every rank has them)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for left in directory.glob(f"*{SAVING}"):  # what a killed save left

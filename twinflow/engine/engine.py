@@ -145,7 +145,6 @@ class Engine:
         self.config = config
         self.world_size = config.world_size
         self.module = model
-        self.pending_save: portable_checkpoint.PendingSave | None = None  # an asynchronous save being written
         stage = config.zero_optimization.stage
         distributed = self.world_size > 1
         if config.bf16.enabled:
@@ -304,16 +303,12 @@ class Engine:
         if not portable:
             return save_checkpoint(save_dir, tag, **parts)
         saved = portable_checkpoint.save_portable(save_dir, tag, **parts, asynchronous=asynchronous)
-        if isinstance(saved, portable_checkpoint.PendingSave):
-            self.pending_save = saved
-            return saved.final
-        return saved
+        return saved.final if isinstance(saved, portable_checkpoint.PendingSave) else saved
 
     def wait_checkpoint(self) -> Path | None:
         """Waits for an asynchronous save still being written and puts it in place; returns its folder (None: no
         save was pending)."""
-        pending, self.pending_save = self.pending_save, None
-        return pending.wait() if pending is not None else None
+        return portable_checkpoint.wait_pending()
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
