@@ -81,22 +81,32 @@ inline typename V::reg q8_decode(typename V::ireg a, typename V::ireg sign, cons
 }
 
 // Magnitudes x >= 0 (at most the block's top value) -> codes, rounded up with the probability that keeps the value
-// right on average; noise: 16 random bits per lane.
+// right on average; r: the rounding offset, 16 random bits and half a step of them (q8_noise).
 template <class V>
-inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg noise, const Q8Scale& k, int32_t top_code) {
+inline typename V::ireg q8_encode(typename V::reg x, typename V::ireg r, const Q8Scale& k, int32_t top_code) {
   using ireg = typename V::ireg;
   // below the lowest binade: x + 2^(D - 126) rounds x to that binade's spacing, 2^20 times finer than a code step
   const ireg low = V::isub(V::bits(V::add(x, V::set1(k.floor))), V::iset1(k.floor_bits));
   const ireg y = V::select_ge(x, V::set1(k.floor), V::isub(V::bits(x), V::iset1(k.shift)), low);
-  const ireg r = V::ior(V::template sll<kQ8MantShift - 16>(noise), V::iset1(1 << (kQ8MantShift - 17)));
   return V::imin(V::template srl<kQ8MantShift>(V::iadd(y, r)), V::iset1(top_code));
+}
+
+// The rounding offset of the 16 hash bits starting at bit kLow: those bits at bits 4..19 (below the 3 mantissa
+// bits a code keeps), and half a step below them. Shifted first, then masked and set (one ternary-logic
+// operation on AVX-512).
+template <class V, int kLow>
+inline typename V::ireg q8_noise(typename V::ireg h) {
+  constexpr int kShift = kLow - (kQ8MantShift - 16);
+  const typename V::ireg placed = kShift >= 0 ? V::template srl<(kShift > 0 ? kShift : 0)>(h)
+                                              : V::template sll<(kShift < 0 ? -kShift : 0)>(h);
+  return V::ior(V::iand(placed, V::iset1(0xFFFF << (kQ8MantShift - 16))), V::iset1(1 << (kQ8MantShift - 17)));
 }
 
 // A 24-bit master (state_precision "int8_m24"): the float32 whose top 24 bits are hi (16) and lo (8), the rest 0.
 // hi loads as the bfloat16 it is (its bits already in the top half); lo fills the next byte.
 template <class V>
 inline typename V::reg m24_decode(const Q8Span& s, int64_t i) {
-  return V::from_bits(V::ior(V::bits(V::load(s.master_hi + i)), V::template sll<8>(V::load(s.master_lo + i))));
+  return V::load_master24(s.master_hi + i, s.master_lo + i);
 }
 
 // A float32 master to 24 bits, rounded up in magnitude with the probability that keeps it right on average
@@ -121,16 +131,31 @@ inline typename V::ireg m24_encode(const Q8Span& s, int64_t i, typename V::reg x
 // nearest, ties away from zero (as the device side keeps its weights, twinflow/weight_master.py): bit 0 set
 // where the cut byte is 0x80 or more turns a tie into a value above it, which the store's round-to-nearest-even
 // takes up in magnitude; nothing else moves. Any other copy is the master itself.
+// m24_weight's bfloat16 pattern (in int32 lanes): the same as storing (t << 8) | tie with round-to-nearest-even,
+// in fewer operations: adding 0x80 carries into the kept 16 bits exactly where the cut byte is 0x80 or more. A NaN
+// (exponent all ones, a mantissa bit set anywhere in the 24) becomes the quiet NaN the conversion stores.
+template <class V>
+inline typename V::ireg m24_weight_bits(typename V::ireg t) {
+  const typename V::ireg up = V::template srl<8>(V::iadd(t, V::iset1(0x80)));
+  return V::select_ge(V::iand(t, V::iset1(0x7FFFFF)), V::iset1(0x7F8001), V::iset1(0x7FC0), up);
+}
+
 template <class V, class O>
 inline void m24_weight(const Q8Span& s, int64_t i, typename V::ireg t) {
   using ireg = typename V::ireg;
   if constexpr (std::is_same_v<O, bf16_t>) {
-    const ireg tie = V::iand(V::template srl<7>(t), V::iset1(1));
-    V::store(static_cast<O*>(s.out) + i, V::from_bits(V::ior(V::template sll<8>(t), tie)));
+    V::store_bits16(static_cast<O*>(s.out) + i, m24_weight_bits<V>(t));
   } else if constexpr (!std::is_same_v<O, no_out_t>) {
     V::store(static_cast<O*>(s.out) + i, V::from_bits(V::template sll<8>(t)));
   }
 }
+
+// A call's constants, with the two optional terms tested once (a float compare in the loop costs more than a
+// flag's).
+struct Q8Consts : AdamConsts {
+  bool scaled, l2;
+  explicit Q8Consts(const AdamConsts& c) : AdamConsts(c), scaled(c.grad_scale != 1.0f), l2(c.l2_decay != 0.0f) {}
+};
 
 // The update's arithmetic on a vector of elements: the new master (unrounded) and moments.
 template <class V>
@@ -139,7 +164,7 @@ struct Q8Step {
 };
 
 template <class V, class G, bool kM24>
-inline Q8Step<V> q8_step_lanes(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km,
+inline Q8Step<V> q8_step_lanes(const Q8Span& s, const Q8Consts& c, int64_t i, const Q8Scale& km,
                                const Q8Scale& kv) {
   using reg = typename V::reg;
   using ireg = typename V::ireg;
@@ -148,8 +173,8 @@ inline Q8Step<V> q8_step_lanes(const Q8Span& s, const AdamConsts& c, int64_t i, 
   const ireg cm = V::load(s.m_codes + i);
   const reg m = q8_decode<V>(V::iabs(cm), V::iand(cm, V::iset1(INT32_MIN)), km);
   const reg v = q8_decode<V>(V::load(s.v_codes + i), V::iset1(0), kv);
-  if (c.grad_scale != 1.0f) grad = V::mul(grad, V::set1(c.grad_scale));
-  if (c.l2_decay != 0.0f) grad = V::add(grad, V::mul(V::set1(c.l2_decay), param));
+  if (c.scaled) grad = V::mul(grad, V::set1(c.grad_scale));
+  if (c.l2) grad = V::add(grad, V::mul(V::set1(c.l2_decay), param));
   const reg m_new = V::add(V::mul(V::set1(c.beta1), m), V::mul(V::set1(c.one_minus_beta1), grad));
   const reg v_new = V::add(V::mul(V::set1(c.beta2), v), V::mul(V::set1(c.one_minus_beta2), V::mul(grad, grad)));
   const reg denom = V::add(V::mul(V::sqrt(v_new), V::set1(c.inv_bc2_sqrt)), V::set1(c.eps));
@@ -161,7 +186,7 @@ inline Q8Step<V> q8_step_lanes(const Q8Span& s, const AdamConsts& c, int64_t i, 
 // Pass 1 over a block: decode, step, keep the new moments (and, with 24-bit masters, the new master: it is
 // rounded with the same per-element hash in pass 2) in block buffers while tracking the largest.
 template <class V, class G, class O, bool kM24>
-inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
+inline void q8_decode_step(const Q8Span& s, const Q8Consts& c, int64_t i, const Q8Scale& km, const Q8Scale& kv,
                            float* mbuf, float* vbuf, float* pbuf, typename V::reg& max_m, typename V::reg& max_v) {
   const Q8Step<V> r = q8_step_lanes<V, G, kM24>(s, c, i, km, kv);
   if constexpr (kM24) {
@@ -176,6 +201,20 @@ inline void q8_decode_step(const Q8Span& s, const AdamConsts& c, int64_t i, cons
   V::store(vbuf, r.v);
   max_m = V::max(max_m, V::abs(r.m));
   max_v = V::max(max_v, r.v);
+}
+
+// exp_avg's signed code, rounded with the hash's low 16 bits.
+template <class V>
+inline typename V::ireg q8_encode_m(typename V::reg m, typename V::ireg h, const Q8Scale& km) {
+  return V::negate_if_signed(q8_encode<V>(V::abs(m), q8_noise<V, 0>(h), km, 127), V::bits(m));
+}
+
+// exp_avg_sq's code, rounded with the hash's high 16 bits. A positive v keeps at least the lowest code: one
+// rounded to zero beside a nonzero m would make the update m / eps (min(bits, 1) is 1 for v > 0, else 0).
+template <class V>
+inline typename V::ireg q8_encode_v(typename V::reg v, typename V::ireg h, const Q8Scale& kv) {
+  const typename V::ireg cv = q8_encode<V>(v, q8_noise<V, 16>(h), kv, 255);
+  return V::imax(cv, V::imin(V::bits(v), V::iset1(1)));
 }
 
 // Stochastic rounding key: new every step (added to the element's index before the hash).
@@ -193,24 +232,50 @@ inline void q8_encode_both(const Q8Span& s, int64_t i, const float* mbuf, const 
   if constexpr (kM24) {
     m24_weight<V, O>(s, i, m24_encode<V>(s, i, V::load(pbuf), V::iand(h, V::iset1(0xFF))));
   }
-  const typename V::reg m = V::load(mbuf);
-  const ireg a = q8_encode<V>(V::abs(m), V::iand(h, V::iset1(0xFFFF)), km, 127);
-  const ireg sign = V::template sra<31>(V::bits(m));
-  V::store(s.m_codes + i, V::isub(V::ixor(a, sign), sign));
-  // A positive v keeps at least the lowest code: one rounded to zero beside a nonzero m would make the update
-  // m / eps (min(bits, 1) is 1 for v > 0, else 0).
-  const typename V::reg v = V::load(vbuf);
-  const ireg cv = q8_encode<V>(v, V::template srl<16>(h), kv, 255);
-  V::store(s.v_codes + i, V::imax(cv, V::imin(V::bits(v), V::iset1(1))));
+  V::store(s.m_codes + i, q8_encode_m<V>(V::load(mbuf), h, km));
+  V::store(s.v_codes + i, q8_encode_v<V>(V::load(vbuf), h, kv));
+}
+
+// q8_encode_both over V::kGroup vectors at once: the same values, the narrow stores of the group packed together
+// (V::store_group). Each kind of output is finished for the whole group before the next, so that few registers
+// are live at a time.
+template <class V, class O, bool kM24>
+inline void q8_encode_group(const Q8Span& s, int64_t i, const float* mbuf, const float* vbuf, const float* pbuf,
+                            const Q8Scale& km, const Q8Scale& kv) {
+  using ireg = typename V::ireg;
+  constexpr int kG = V::kGroup, kW = V::kWidth;
+  ireg h[kG], out[kG];
+  for (int k = 0; k < kG; ++k) h[k] = V::hash(s.index_base + static_cast<uint32_t>(i + k * kW), q8_key(s.step));
+  if constexpr (kM24) {
+    ireg t[kG];
+    for (int k = 0; k < kG; ++k) t[k] = m24_round<V>(V::load(pbuf + k * kW), V::iand(h[k], V::iset1(0xFF)));
+    for (int k = 0; k < kG; ++k) out[k] = V::template srl<8>(t[k]);
+    V::store_group(&s.master_hi[i].bits, out);
+    for (int k = 0; k < kG; ++k) out[k] = V::iand(t[k], V::iset1(0xFF));
+    V::store_group(s.master_lo + i, out);
+    if constexpr (std::is_same_v<O, bf16_t>) {
+      for (int k = 0; k < kG; ++k) out[k] = m24_weight_bits<V>(t[k]);
+      V::store_group_bits16(static_cast<O*>(s.out) + i, out);
+    } else {
+      for (int k = 0; k < kG; ++k) m24_weight<V, O>(s, i + k * kW, t[k]);
+    }
+  }
+  for (int k = 0; k < kG; ++k) out[k] = q8_encode_m<V>(V::load(mbuf + k * kW), h[k], km);
+  V::store_group(s.m_codes + i, out);
+  for (int k = 0; k < kG; ++k) out[k] = q8_encode_v<V>(V::load(vbuf + k * kW), h[k], kv);
+  V::store_group(s.v_codes + i, out);
 }
 
 template <class V, class G, class O, bool kM24>
-void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
+void q8_range(const Q8Span& span, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
+  // A local copy: the byte stores below may alias anything the compiler cannot see is private, so through the
+  // reference every pointer and constant would be loaded again at every vector.
+  const Q8Span s = span;
   alignas(64) float mbuf[kQ8Block];
   alignas(64) float vbuf[kQ8Block];
   alignas(64) float pbuf[kM24 ? kQ8Block : 1];
-  const AdamConsts c = *s.consts;  // a local copy: the stores below cannot alias it, so it stays in registers
+  const Q8Consts c(*s.consts);  // a local copy: the stores below cannot alias it, so it stays in registers
   for (int64_t j = block_begin; j < block_end; ++j) {
     const int64_t lo = j * kQ8Block;
     const int64_t n = std::min<int64_t>(kQ8Block, s.numel - lo);
@@ -229,7 +294,13 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
     const uint8_t fv = q8_field(std::max(V::hmax(vmax_v), tmax_v), kQ8TopFieldV);
     km = q8_scale(fm, kQ8TopFieldM);
     kv = q8_scale(fv, kQ8TopFieldV);
-    for (i = 0; i + V::kWidth <= n; i += V::kWidth) {
+    i = 0;
+    if constexpr (V::kGroup > 1) {
+      for (; i + V::kGroup * V::kWidth <= n; i += V::kGroup * V::kWidth) {
+        q8_encode_group<V, O, kM24>(s, lo + i, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), km, kv);
+      }
+    }
+    for (; i + V::kWidth <= n; i += V::kWidth) {
       q8_encode_both<V, O, kM24>(s, lo + i, mbuf + i, vbuf + i, pbuf + (kM24 ? i : 0), km, kv);
     }
     for (; i < n; ++i) {
@@ -249,7 +320,7 @@ void q8_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
 template <class V, class G, class O, bool kM24>
 void q8_peek_range(const Q8Span& s, int64_t block_begin, int64_t block_end) {
   using Tail = VecScalarOf<false>;
-  const AdamConsts c = *s.consts;
+  const Q8Consts c(*s.consts);
   auto lanes = [&](auto vec, int64_t i, const Q8Scale& km, const Q8Scale& kv) {
     using W = decltype(vec);
     const typename W::reg param = q8_step_lanes<W, G, kM24>(s, c, i, km, kv).param;

@@ -46,6 +46,8 @@ struct VecAvx2 {
   static ireg imin(ireg a, ireg b) { return _mm256_min_epi32(a, b); }
   static ireg imax(ireg a, ireg b) { return _mm256_max_epi32(a, b); }
   static ireg iabs(ireg a) { return _mm256_abs_epi32(a); }
+  // -a where s's sign bit is set, else a (psignd's zero for s == 0 gives the same: a is 0 there)
+  static ireg negate_if_signed(ireg a, ireg s) { return _mm256_sign_epi32(a, s); }
   template <int k>
   static ireg srl(ireg a) { return _mm256_srli_epi32(a, k); }
   template <int k>
@@ -60,6 +62,7 @@ struct VecAvx2 {
   static reg select_ge(ireg x, ireg t, reg a, reg b) {
     return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(t, x)));
   }
+  static ireg select_ge(ireg x, ireg t, ireg a, ireg b) { return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi32(t, x)); }
   static ireg load(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static ireg load(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -108,6 +111,46 @@ struct VecAvx2 {
     // Pack 8 x u32 (all <= 0xFFFF) into 8 x u16; packus works per 128-bit lane.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     store_bits(p, _mm256_castsi256_si128(packed));
+  }
+  // --- kGroup vectors' narrow stores at once (see VecAvx512::store_group): packs within 128-bit lanes, then one
+  // permutation.
+  static constexpr int kGroup = 4;
+  static __m256i in_order_dwords(__m256i x) {  // lane k, dword j (register j's elements 4k..4k+3) -> dword 2j + k
+    return _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  static void store_group(int8_t* p, const ireg (&x)[kGroup]) {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), in_order_dwords(w));
+  }
+  static void store_group(uint8_t* p, const ireg (&x)[kGroup]) {
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(x[0], x[1]), _mm256_packus_epi32(x[2], x[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), in_order_dwords(w));
+  }
+  static void store_group(uint16_t* p, const ireg (&x)[kGroup]) {
+    for (int k = 0; k < kGroup; k += 2) {
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(x[k], x[k + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8 * k), w);
+    }
+  }
+  static void store_group_bits16(bf16_t* p, const ireg (&x)[kGroup]) {
+    for (int k = 0; k < kGroup; k += 2) {
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(x[k], x[k + 1]), 0xD8);
+      if (kStreamingStores && (reinterpret_cast<uintptr_t>(p + 8 * k) & 31) == 0) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 8 * k), w);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8 * k), w);
+      }
+    }
+  }
+
+  // A 24-bit master: the float32 whose top 16 bits are hi's (a bfloat16) and next 8 lo's, the rest 0.
+  static reg load_master24(const bf16_t* hi, const uint8_t* lo) {
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(load(hi)), _mm256_slli_epi32(load(lo), 8)));
+  }
+
+  // 16-bit patterns held in int32 lanes (each <= 0xFFFF), stored as a copy is.
+  static void store_bits16(bf16_t* p, ireg x) {
+    store_bits(p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08)));
   }
   static void store(fp16_t* p, reg x) { store_bits(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
 

@@ -75,6 +75,7 @@ struct VecScalarOf {
   static ireg imin(ireg a, ireg b) { return a < b ? a : b; }
   static ireg imax(ireg a, ireg b) { return a > b ? a : b; }
   static ireg iabs(ireg a) { return a < 0 ? -a : a; }
+  static ireg negate_if_signed(ireg a, ireg s) { return s < 0 ? isub(0, a) : a; }
   template <int k>
   static ireg srl(ireg a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> k); }
   template <int k>
@@ -83,6 +84,7 @@ struct VecScalarOf {
   static ireg sra(ireg a) { return a >> k; }  // arithmetic on every compiler this builds with
   static ireg select_ge(reg x, reg t, ireg a, ireg b) { return x >= t ? a : b; }
   static reg select_ge(ireg x, ireg t, reg a, reg b) { return x >= t ? a : b; }
+  static ireg select_ge(ireg x, ireg t, ireg a, ireg b) { return x >= t ? a : b; }
   static ireg load(const int8_t* p) { return *p; }
   static ireg load(const uint8_t* p) { return *p; }
   static void store(int8_t* p, ireg x) { *p = static_cast<int8_t>(x); }
@@ -114,6 +116,12 @@ struct VecScalarOf {
     }
     p->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   }
+  static constexpr int kGroup = 1;  // no grouped stores: one lane is its own tail
+  // A 24-bit master: the float32 whose top 16 bits are *hi's and next 8 *lo, the rest 0.
+  static reg load_master24(const bf16_t* hi, const uint8_t* lo) {
+    return float_of((static_cast<uint32_t>(hi->bits) << 16) | (static_cast<uint32_t>(*lo) << 8));
+  }
+  static void store_bits16(bf16_t* p, ireg x) { p->bits = static_cast<uint16_t>(x); }
   static void store(fp16_t* p, reg x) {
     // Single -> half, round to nearest even, overflow to inf, NaN quiet.
     const uint32_t u = bits_of(x);
