@@ -155,6 +155,29 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path) -> None
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
 
 
+def test_an_asynchronous_save_after_the_process_group_was_made_again(tmp_path) -> None:
+    """A process group destroyed and made again (an elastic restart, a test fixture): the next asynchronous save
+    writes through a background group of the new one, not the dead group of the first."""
+    import torch.distributed as dist
+
+    model, opt = _single(0)
+    _train(model, opt)
+    try:
+        for attempt in range(2):
+            store = dist.FileStore(str(tmp_path / f"store{attempt}"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            portable.save_portable(tmp_path / "ckpt", f"t{attempt}", model=model, optimizer=opt,
+                                   asynchronous=True).wait()  # fmt: skip
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for tag in ("t0", "t1"):
+        other, other_opt = _single(1)
+        portable.load_portable(tmp_path / "ckpt", tag, model=other, optimizer=other_opt)
+        assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])

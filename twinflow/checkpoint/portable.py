@@ -195,18 +195,20 @@ class _AlreadyStaged:
         pass
 
 
-_checkpoint_group: Any = None
+_checkpoint_group: tuple[Any, Any] | None = None  # (the default group it was made under, the gloo group)
 
 
 def _background_group() -> Any:
-    """A gloo process group of every rank for the background writes' collectives (made once, by every rank: the
-    training's own group stays free of them); None without torch.distributed."""
-    global _checkpoint_group  # noqa: PLW0603 (one group a process, made at its first asynchronous save)
+    """A gloo process group of every rank for the background writes' collectives (made once per default group, by
+    every rank: the training's own group stays free of them); None without torch.distributed. A default group
+    destroyed and made again (an elastic restart, a test) gets a group of its own: the old one died with it."""
+    global _checkpoint_group  # noqa: PLW0603 (one group a default group, made at its first asynchronous save)
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _checkpoint_group is None:
-        _checkpoint_group = dist.new_group(backend="gloo")
-    return _checkpoint_group
+    world = dist.group.WORLD
+    if _checkpoint_group is None or _checkpoint_group[0] is not world:
+        _checkpoint_group = (world, dist.new_group(backend="gloo"))
+    return _checkpoint_group[1]
 
 
 def _put_in_place(saving: Path, final: Path) -> None:
