@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import twinflow
+from tests.checkpoint_fixture import train as engine_losses  # the engine's loop, losses recorded
 from twinflow import TwinFlowAdam
 from twinflow.engine.schedulers import WarmupDecayLR
 
@@ -33,16 +34,6 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 def batches(n: int, size: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(size, 10, generator=gen), torch.randn(size, 10, generator=gen)) for _ in range(n)]
-
-
-def engine_losses(engine, data) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_engine_loop_equals_the_hand_written_loop() -> None:
