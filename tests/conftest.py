@@ -9,7 +9,7 @@ from twinflow.host import ops
 # marked `kernel_path`, and CI runs those again on each path below the CPU's best (.ci/run). A new module is
 # path-dependent until it is listed here.
 PATH_INDEPENDENT_MODULES = frozenset({
-    "test_bench_train", "test_build", "test_config", "test_examples", "test_partition", "test_readme",
+    "test_bench_train", "test_build", "test_config", "test_examples", "test_partition", "test_progress", "test_readme",
     "test_structure", "test_train_opt_errors", "test_tune_cli", "test_weight_master",
 })  # fmt: skip
 

@@ -78,7 +78,9 @@ def test_the_weights_are_the_masters_and_from_pretrained_loads_them(tmp_path, pr
     out = tmp_path / "hub"
     args = [str(tmp_path / "ckpt"), "latest", "--safetensors", str(out), "--hf-config", str(tmp_path / "hf")]
     assert convert_main(args + (["--dtype", "bf16"] if dtype == "bf16" else [])) == 0
-    assert str(out) in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert str(out) in printed.out
+    assert f"writing {out}: " in printed.err and "GB/s" in printed.err  # the progress meter's closing line
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     saved = safetensors_torch.load_file(out / "model.safetensors")
     assert "lm_head.weight" not in saved and "model.decoder.embed_tokens.weight" in saved  # as save_pretrained

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from twinflow.base.distributed import local
+from twinflow.base.progress import ByteProgress
 from twinflow.checkpoint.checkpoint_files import (
     CheckpointError,
     hash_error,
@@ -332,14 +334,20 @@ def write_piece(fd: int, offset: int, values: torch.Tensor) -> None:
     pwrite_all(fd, values.contiguous().view(torch.uint8).numpy(), offset)
 
 
-def _put(fds: list[int], out: _Out, at: int, values: torch.Tensor) -> None:
+def _put(fds: list[int], out: _Out, at: int, values: torch.Tensor, tick: Callable[[int], None]) -> None:
     values = values.reshape(-1).to(out.dtype)
     write_piece(fds[out.file], out.offset + at * out.dtype.itemsize, values)
     out.written += values.numel()
+    tick(values.numel() * out.dtype.itemsize)
 
 
-def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int]) -> None:
-    """Writes every piece the output takes from rank `r`'s shard, reading it once, in order."""
+def _no_tick(_: int) -> None:
+    pass
+
+
+def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int], tick: Callable[[int], None]) -> None:
+    """Writes every piece the output takes from rank `r`'s shard, reading it once, in order; `tick(bytes)` after
+    each piece."""
     masters, models = {}, {}
     for out in outs:
         for source, what, ref, first in out.sources:
@@ -352,7 +360,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int]) -> None:
         for tensor, (out, first) in tensors:
             flat = tensor.reshape(-1)
             for a in range(0, flat.numel(), BATCH):
-                _put(fds, out, first + a, flat[a : a + BATCH])
+                _put(fds, out, first + a, flat[a : a + BATCH], tick)
         return
     kinds = ("model", "state") if masters else ("model",)
     step = convert_elements(torch.device("cpu"))
@@ -360,7 +368,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int]) -> None:
         if record[0] == "model":
             hit = models.get(rank.model[record[1]][0])
             if hit is not None:
-                _put(fds, hit[0], hit[1] + record[2], payload)
+                _put(fds, hit[0], hit[1] + record[2], payload, tick)
             continue
         _, i, start, end, form = record
         hit = masters.get(i)
@@ -369,7 +377,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int]) -> None:
         for a in range(0, end - start, step):
             b = min(end - start, a + step)
             values = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
-            _put(fds, hit[0], hit[1] + start + a, values)
+            _put(fds, hit[0], hit[1] + start + a, values, tick)
 
 
 def _copy_config(source: Path, out_dir: Path, dtype: torch.dtype) -> list[Path]:
@@ -390,9 +398,11 @@ def _copy_config(source: Path, out_dir: Path, dtype: torch.dtype) -> list[Path]:
 
 
 def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dtype: str | torch.dtype = "fp32",
-                max_shard_size: str | int = "5GB", hf_config: str | Path | None = None) -> list[Path]:  # fmt: skip
+                max_shard_size: str | int = "5GB", hf_config: str | Path | None = None,
+                progress: bool = False) -> list[Path]:  # fmt: skip
     """Writes checkpoint `tag`'s (None or "latest": the latest) model in `directory` to `out_dir` as safetensors
-    (module docstring); CheckpointError naming what is wrong. Returns the files written."""
+    (module docstring); CheckpointError naming what is wrong. Returns the files written. `progress`: the bytes
+    written so far on stderr (a bar on a terminal, else a line every tenth)."""
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype!r}; expected one of {sorted(DTYPES)}")
@@ -419,8 +429,11 @@ def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dty
             head = _header(group)
             os.pwrite(fds[-1], head, 0)
             os.ftruncate(fds[-1], len(head) + sum(out.nbytes for out in group))
+        meter = ByteProgress(sum(out.nbytes for out in outs), f"writing {out_dir}") if progress else None
         for r, rank in enumerate(ranks):
-            _stream(r, rank, outs, fds)
+            _stream(r, rank, outs, fds, meter.update if meter is not None else _no_tick)
+        if meter is not None:
+            meter.close()
         for out in outs:
             if out.written != out.numel:
                 raise CheckpointError(f"checkpoint {tag!r}: the shards gave {out.written} of {out.name!r}'s "

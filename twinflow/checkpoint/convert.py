@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
         if args.safetensors is not None:
             written = consolidate(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
-                                  args.hf_config)  # fmt: skip
+                                  args.hf_config, progress=True)  # fmt: skip
             size = sum(path.stat().st_size for path in written)
             print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
     except (CheckpointError, OSError) as exc:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from twinflow.base.progress import terminal_bar
 from twinflow.models import OPT_SHAPES, build_opt
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.plan import Inputs, explain, predict_peak, predict_time
@@ -46,16 +47,8 @@ class Progress:
     measurement (and per step that takes over a second), which logs and pipes keep readable."""
 
     def __init__(self, measurements: int, steps_each: int, bar: bool | None = None) -> None:
-        self.total, self.k, self.steps_each, self.bar = measurements, 0, steps_each, None
-        if bar is None:
-            bar = sys.stderr.isatty()
-        if bar:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # tqdm comes with the examples and test extras, not with twinflow
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(total=measurements * steps_each, unit="step", file=sys.stderr, leave=False)
+        self.total, self.k, self.steps_each = measurements, 0, steps_each
+        self.bar = terminal_bar(sys.stderr, bar, total=measurements * steps_each, unit="step")
 
     def line(self, text: str) -> None:
         """A line above the bar, or alone."""
