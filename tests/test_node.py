@@ -222,3 +222,22 @@ def test_pinning_really_sets_the_calling_threads_mask_only() -> None:
     thread.start()
     thread.join()
     assert seen["worker"] == target and os.sched_getaffinity(0) == allowed
+
+
+def test_torch_threads_raises_the_count_for_the_block_and_puts_it_back() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with node.torch_threads(3):
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(4)
+        with node.torch_threads(2):  # never lowered: a user's larger count stays
+            assert torch.get_num_threads() == 4
+        assert torch.get_num_threads() == 4
+        torch.set_num_threads(1)
+        with pytest.raises(RuntimeError, match="inside"), node.torch_threads(2):
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 1  # put back on an error too
+    finally:
+        torch.set_num_threads(before)

@@ -9,9 +9,10 @@ same node; elsewhere an even slice of the CPUs this process may use. Local rank 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,17 @@ def pin_this_thread(cpus: Sequence[int]) -> None:
     except (OSError, AttributeError) as exc:  # AttributeError: a platform without sched_setaffinity
         log.warning("could not pin the CPU kernel's thread to cores %s (%s); it runs unpinned",
                     format_cpulist(cpus), exc)  # fmt: skip
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads raised to `threads` for the block (never lowered), then put back: a rank that
+    torchrun gave one thread fills and copies its share of the host state with its share of the cores."""
+    before = torch.get_num_threads()
+    if threads > before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -35,7 +35,8 @@ class Fp32Codec:
     """float32 masters and moments: one flat buffer each, a view per piece; an optional scratch twin."""
 
     def __init__(self, total: int, pieces: list[Piece]) -> None:
-        self.buffers = [torch.empty(total, dtype=torch.float32) for _ in range(3)]
+        # the masters to be written; the moments fresh (zero), as the 8-bit codec's
+        self.buffers = [torch.empty(total, dtype=torch.float32), torch.zeros(total), torch.zeros(total)]
         self.pieces = pieces
         self.sets = [self.slices(self.buffers)]
 
@@ -139,7 +140,8 @@ class Int8Codec:
 
 class HostState:
     """Masters and moments of the CPU share's pieces, in the codec of `precision`; which set is current. A
-    :class:`twinflow.precision.state_owner.StateOwner`."""
+    :class:`twinflow.precision.state_owner.StateOwner`. Made with fresh (zero) moments and unset masters: write
+    every parameter's masters before a step."""
 
     def __init__(self, pieces: list[Piece], precision: StatePrecision | str) -> None:
         total = sum(pc.numel for pc in pieces)

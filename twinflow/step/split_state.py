@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from twinflow.base import distributed
+from twinflow.base import distributed, node
 from twinflow.base.partition import split
 from twinflow.device import device_side
 from twinflow.device.device_compact import CompactDeviceState
+from twinflow.host import ops
 from twinflow.host.host_side import NO_HOST, HostSide, NoHost
 from twinflow.host.host_state import HostState
 from twinflow.host.staging import Piece, plan_pieces
@@ -123,12 +124,12 @@ class SplitState(WholeParams):
         cpu = [seg for seg in segments if seg.on_cpu]
         self.versions = WeightVersions(self.locals)
         pieces = plan_pieces(cpu, [p.element_size() for p in self.locals], chunk_bytes, align)
-        self.host = HostState(pieces, self.precision) if pieces else None
+        # the host state filled with this rank's share of the cores (torchrun leaves torch one thread a rank)
+        with torch.no_grad(), node.torch_threads(ops.default_num_threads()):
+            self.host = HostState(pieces, self.precision) if pieces else None
+            for seg in cpu if self.host is not None else []:  # the masters from the weights; the moments fresh
+                self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end]})
         with torch.no_grad():
-            if self.host is not None:
-                for seg in cpu:  # the masters from the weights; the moments fresh
-                    self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end],
-                                                "exp_avg": None, "exp_avg_sq": None})  # fmt: skip
             on_device = [seg for seg in segments if not seg.on_cpu]
             self.device_state = (
                 CompactDeviceState(on_device, self.locals, self.precision)
