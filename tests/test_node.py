@@ -224,6 +224,8 @@ def test_pinning_really_sets_the_calling_threads_mask_only() -> None:
     assert seen["worker"] == target and os.sched_getaffinity(0) == allowed
 
 
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch's native thread pool cannot change its size once it has run")  # fmt: skip
 def test_torch_threads_raises_the_count_for_the_block_and_puts_it_back() -> None:
     before = torch.get_num_threads()
     try:

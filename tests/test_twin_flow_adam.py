@@ -479,3 +479,24 @@ def test_layout_settings_set_after_steps_take_effect_at_the_next_step(attach: bo
         assert torch.equal(a, b)
     opt.max_grad_norm, opt.speculate = 1.0, True
     assert opt.coordinator.speculation.max_grad_norm == 1.0 and opt.coordinator.speculation.asked
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_another_default_dtype_leaves_the_cpu_state_float32(default: torch.dtype) -> None:
+    """A script that changed torch's default dtype still gets float32 moments on the CPU side (the kernel takes
+    nothing else), and the same step as AdamW."""
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default)
+        p = torch.nn.Parameter(torch.randn(2000, dtype=torch.float32))
+        q = torch.nn.Parameter(p.detach().clone())
+        opt, ref = TwinFlowAdam([p], lr=1e-2, ratio=1.0), torch.optim.AdamW([q], lr=1e-2)
+        for _ in range(3):
+            p.grad = torch.randn(2000, dtype=torch.float32)
+            q.grad = p.grad.clone()
+            opt.step()
+            ref.step()
+    finally:
+        torch.set_default_dtype(before)
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)

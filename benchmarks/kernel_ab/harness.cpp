@@ -53,9 +53,12 @@ struct State {
       m[i] = static_cast<int8_t>(static_cast<int>(g() % 255) - 127), v[i] = static_cast<uint8_t>(g() % 256);
     }
     for (int64_t j = 0; j < blocks; ++j) ms[j] = static_cast<uint8_t>(100 + g() % 30), vs[j] = static_cast<uint8_t>(90 + g() % 40);
-    if (n > 7) {  // a NaN and infinities among the inputs
+    if (n > 9) {  // NaN, infinite and largest finite inputs and masters, of either sign
       grad32[3] = NAN, grad16[3] = 0x7FC1, grad32[5] = INFINITY, grad16[5] = 0x7F80;
       hi[6] = 0x7F80, lo[6] = 0x01, param[6] = NAN;
+      hi[7] = 0xFF80, lo[7] = 0x00, param[7] = -INFINITY;
+      hi[8] = 0x7F7F, lo[8] = 0xFF, param[8] = 3.4028235e38f;
+      hi[9] = 0xFF7F, lo[9] = 0xFF, param[9] = -3.4028235e38f;
     }
   }
   bool operator==(const State& o) const {  // bit for bit: a NaN equals the same NaN

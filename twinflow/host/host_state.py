@@ -36,7 +36,8 @@ class Fp32Codec:
 
     def __init__(self, total: int, pieces: list[Piece]) -> None:
         # the masters to be written; the moments fresh (zero), as the 8-bit codec's
-        self.buffers = [torch.empty(total, dtype=torch.float32), torch.zeros(total), torch.zeros(total)]
+        f32 = torch.float32  # named: torch's default dtype may be another
+        self.buffers = [torch.empty(total, dtype=f32), torch.zeros(total, dtype=f32), torch.zeros(total, dtype=f32)]
         self.pieces = pieces
         self.sets = [self.slices(self.buffers)]
 
