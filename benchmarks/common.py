@@ -73,3 +73,23 @@ def write_json(result: dict, name: str, out: str | None) -> Path:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def abba_sides(round_index: int) -> tuple[str, str]:
+    """The order of two trees in a round, the one that goes first alternating (ABBA): drift on the machine favours
+    neither."""
+    return ("before", "after") if round_index % 2 == 0 else ("after", "before")
+
+
+def tree_child(script: str, tree: Path, side: str, ext_root: Path, args: list[str], env: dict | None = None) -> dict:
+    """`script --child tree *args` in a process of its own, with the tree's own kernel cache (ext_root/side) and
+    `env` added; the JSON object its last line prints. Exits naming the side if it fails."""
+    import subprocess
+    import sys
+
+    full_env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_root / side), **(env or {}))
+    done = subprocess.run([sys.executable, script, "--child", str(tree), *args], env=full_env, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"{side} tree ({tree}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

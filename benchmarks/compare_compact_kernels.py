@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,18 +45,6 @@ def child(tree: Path, params: int, threads: int, rounds: int) -> dict:
         "int8_m24_spread": q8_fn(params, threads, gen, out, spread=16.0, m24=True),
     }
     return {"seconds": interleaved_medians(fns, rounds=rounds), "simd": ops.SIMD_NAMES[ops.resolve_simd()]}
-
-
-def run_tree(tree: Path, side: str, args: argparse.Namespace, ext_root: Path) -> dict:
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_root / side))
-    if args.simd:
-        env["TWINFLOW_SIMD"] = args.simd
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), "--params", str(args.params),
-           "--threads", str(args.threads), "--calls", str(args.calls)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{side} tree ({tree}) failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def summary(runs: list[dict], params: int) -> dict:
@@ -89,17 +76,19 @@ def main() -> None:
         return
     if args.before is None:
         parser.error("--before is required: the checkout to compare against")
+    sys.path.insert(0, str(ROOT))  # the parent only: a child imports the benchmarks of the tree it times
+    from benchmarks.common import abba_sides, machine_info, tree_child, write_json
+
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    child_args = ["--params", str(args.params), "--threads", str(args.threads), "--calls", str(args.calls)]
     with tempfile.TemporaryDirectory() as ext_root:
         for r in range(args.rounds):
-            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                runs[side].append(run_tree(trees[side], side, args, Path(ext_root)))
+            for side in abba_sides(r):
+                runs[side].append(tree_child(__file__, trees[side], side, Path(ext_root), child_args,
+                                             {"TWINFLOW_SIMD": args.simd} if args.simd else None))  # fmt: skip
                 rates = "  ".join(f"{k} {args.params / v / 1e9:.3f}" for k, v in runs[side][-1]["seconds"].items())
                 print(f"round {r + 1}/{args.rounds} {side}: {rates}", flush=True)
-
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.common import machine_info, write_json
 
     result = {"machine": machine_info(), "params": args.params, "threads": args.threads, "rounds": args.rounds,
               "calls": args.calls, "simd": runs["after"][0]["simd"], "trees": {k: str(v) for k, v in trees.items()},

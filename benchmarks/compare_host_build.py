@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -60,24 +59,20 @@ def main() -> None:
         return
     if args.before is None:
         parser.error("--before is required: the checkout to compare against")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import abba_sides, machine_info, tree_child, write_json
+
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     seconds: dict[str, dict[str, list[float]]] = {p: {"before": [], "after": []} for p in args.precisions}
     with tempfile.TemporaryDirectory() as ext_root:
         for r in range(args.rounds):
             for precision in args.precisions:
-                for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(Path(ext_root) / side),
-                               TWINFLOW_NUM_THREADS=str(args.threads))  # fmt: skip
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(trees[side]), "--params",
-                           str(args.params), "--precision", precision]  # fmt: skip
-                    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-                    if done.returncode != 0:
-                        raise SystemExit(f"{side} tree failed:\n{done.stderr[-4000:]}")
-                    seconds[precision][side].append(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
-                    print(f"round {r + 1} {precision} {side}: {seconds[precision][side][-1]:.2f} s", flush=True)
-
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.common import machine_info, write_json
+                for side in abba_sides(r):
+                    child_args = ["--params", str(args.params), "--precision", precision]
+                    row = tree_child(__file__, trees[side], side, Path(ext_root), child_args,
+                                     {"TWINFLOW_NUM_THREADS": str(args.threads)})  # fmt: skip
+                    seconds[precision][side].append(row["seconds"])
+                    print(f"round {r + 1} {precision} {side}: {row['seconds']:.2f} s", flush=True)
 
     result = {"machine": machine_info(), "params": args.params, "threads": args.threads, "rounds": args.rounds,
               "trees": {k: str(v) for k, v in trees.items()}, "seconds": seconds,
