@@ -56,6 +56,23 @@ def median(row: dict) -> float | None:
     return statistics.median(row["step_seconds"]) if row.get("status") == "ok" else None
 
 
+def summarise(runs: list[dict], systems: list[str], trees: dict, tolerance: float) -> list[dict]:
+    """Each system's pooled step times and median per tree, and after / before, from the runs so far."""
+    rows = []
+    for system in systems:
+        entry: dict = {"system": system}
+        for side in trees:
+            mine = [r for r in runs if r["system"] == system and r["side"] == side]
+            steps = [t for r in mine if r.get("status") == "ok" for t in r["step_seconds"]]
+            entry[side] = {"median_s": statistics.median(steps) if steps else None, "step_seconds": steps,
+                           "status": [r.get("status") for r in mine]}  # fmt: skip
+        b, a = entry["before"]["median_s"], entry["after"]["median_s"]
+        entry["ratio"] = a / b if a and b else None
+        entry["within"] = entry["ratio"] is not None and abs(entry["ratio"] - 1) <= tolerance
+        rows.append(entry)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, type=Path, help="the old checkout")
@@ -75,6 +92,8 @@ def main() -> None:
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: list[dict] = []
+    rows: list[dict] = []
+    path, machine = None, machine_info()
     for rnd in range(args.rounds):
         for n, system in enumerate(args.systems):
             flip = (n + rnd + (args.first == "after")) % 2
@@ -84,22 +103,13 @@ def main() -> None:
                 runs.append({"round": rnd, "side": side, **row})
                 m = median(row)
                 print(f"{system:20s} {side:6s} " + (f"{m:.4f} s" if m is not None else row["status"]), flush=True)
-    rows = []
-    for system in args.systems:
-        entry: dict = {"system": system}
-        for side in trees:
-            mine = [r for r in runs if r["system"] == system and r["side"] == side]
-            steps = [t for r in mine if r.get("status") == "ok" for t in r["step_seconds"]]
-            entry[side] = {"median_s": statistics.median(steps) if steps else None, "step_seconds": steps,
-                           "status": [r.get("status") for r in mine]}  # fmt: skip
-        b, a = entry["before"]["median_s"], entry["after"]["median_s"]
-        entry["ratio"] = a / b if a and b else None
-        entry["within"] = entry["ratio"] is not None and abs(entry["ratio"] - 1) <= args.tolerance
-        rows.append(entry)
-    result = {"command": sys.argv, "trees": {k: str(v) for k, v in trees.items()},
-              "git": {k: git_head(v) for k, v in trees.items()}, "machine": machine_info(), "rows": rows,
-              "runs": runs}  # fmt: skip
-    path = write_json(result, "compare_trees.json", args.out)
+                # written after every run: a call stopped at its time limit keeps what it measured
+                rows = summarise(runs, args.systems, trees, args.tolerance)
+                result = {"command": sys.argv, "trees": {k: str(v) for k, v in trees.items()},
+                          "git": {k: git_head(v) for k, v in trees.items()}, "machine": machine,
+                          "complete": len(runs) == 2 * args.rounds * len(args.systems), "rows": rows,
+                          "runs": runs}  # fmt: skip
+                path = write_json(result, "compare_trees.json", args.out)
     within = f"within {args.tolerance:.0%}"
     print(f"\n| system | before (s) | after (s) | after / before | {within} |\n| --- | --- | --- | --- | --- |")
     for r in rows:
