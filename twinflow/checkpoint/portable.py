@@ -45,9 +45,11 @@ from twinflow.version import __version__
 
 try:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover (torch >= 2.4 has both)
+except ImportError:  # pragma: no cover (torch >= 2.4 has them)
     dcp = DTensor = None
+    DefaultSavePlanner = object
 
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
@@ -98,7 +100,12 @@ def _gathered(mine: dict[str, Any]) -> dict[str, Any]:
 
 
 def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """The optimizer's state by parameter name, as logical tensors (:func:`_logical`)."""
+    """The optimizer's state by parameter name, as logical tensors (:func:`_logical`): where the optimizer keeps
+    its state behind a state owner (TwinFlowAdam), a :class:`_Deferred` for each moment and master, read when DCP
+    writes it; another optimizer's ``state_dict()`` as it is."""
+    owner = getattr(optimizer, "state_owner", None)
+    if owner is not None and owner.built:
+        return _owner_tensors(model, optimizer, owner)
     names, out = _names(model), {}
     state = optimizer.state_dict()["state"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -107,6 +114,72 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         out[names[id(p)]] = {key: _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
                              for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
     return out
+
+
+class _Deferred:
+    """A parameter's moment or master, read from the optimizer's state owner only when DCP writes it (float32, host
+    memory), never through ``opt.state``: state_dict()'s decoded copies of compact state stayed in ``opt.state``
+    after the save (12 bytes a parameter, until it was next read). DCP's file writer still keeps each tensor it
+    wrote until the rank's file ends, so the peak during a save is the rank's state in float32. Stands in the
+    state dict as `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP
+    plans."""
+
+    def __init__(self, p: torch.Tensor, owner: Any, i: int, key: str) -> None:
+        self.p, self.owner, self.i, self.key = p, owner, i, key
+        self.placeholder = _logical(p, torch.zeros((), dtype=torch.float32).expand(local(p).shape))
+
+    def local(self) -> torch.Tensor:
+        """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
+        return self.owner.read(self.i, self.key).view(local(self.p).shape)
+
+    def logical(self) -> torch.Tensor:
+        return _logical(self.p, self.local())
+
+
+def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, owner: Any) -> dict[str, dict[str, Any]]:
+    """A TwinFlowAdam's state by parameter name: the steps as tensors, the moments and masters as :class:`_Deferred`
+    (what ``state_dict()`` would give, without decoding it all first)."""
+    owner.check_settled()  # no step half done
+    owner.settle_state()
+    owner.absorb_edits()  # in-place writes to the copies opt.state handed out
+    names, out = _names(model), {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        if not owner.holds(i):
+            continue
+        keys = ("exp_avg", "exp_avg_sq") + (("master",) if owner.locals[i].dtype != torch.float32 else ())
+        out[names[id(p)]] = {"step": torch.tensor(float(owner.steps[i])),
+                             **{key: _Deferred(p, owner, i, key) for key in keys}}  # fmt: skip
+    return out
+
+
+def _flat(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`state` as DCP's keys (the nested names joined by dots, as DCP flattens a nested state dict)."""
+    return {f"{part}.{name}" + (f".{key}" if key is not None else ""): value
+            for part, entries in state.items() for name, entry in entries.items()
+            for key, value in (entry.items() if isinstance(entry, dict) else [(None, entry)])}  # fmt: skip
+
+
+def _state_keys(flat: dict[str, Any]) -> dict[str, list[str]]:
+    """Each parameter's optimizer-state keys (by the parameter's name), from the flat state."""
+    keys: dict[str, list[str]] = {}
+    for k in flat:
+        if k.startswith(OPTIM + "."):
+            name, key = k[len(OPTIM) + 1 :].rsplit(".", 1)
+            keys.setdefault(name, []).append(key)
+    return {name: sorted(v) for name, v in keys.items()}
+
+
+class _ReadWhenWritten(DefaultSavePlanner):
+    """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it."""
+
+    def __init__(self, deferred: dict[str, _Deferred]) -> None:
+        super().__init__()
+        self.deferred = deferred
+
+    def lookup_object(self, index: Any) -> Any:
+        deferred = self.deferred.get(index.fqn)
+        return deferred.local() if deferred is not None else super().lookup_object(index)
 
 
 def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -242,20 +315,25 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
             shutil.rmtree(left, ignore_errors=True)
         saving.mkdir()
     _barrier()
-    state = {MODEL: {k: v.detach() for k, v in model.state_dict().items()}, OPTIM: _optimizer_tensors(model, optimizer)}
+    state = _flat({MODEL: {k: v.detach() for k, v in model.state_dict().items()},
+                   OPTIM: _optimizer_tensors(model, optimizer)})  # fmt: skip
+    deferred = {k: v for k, v in state.items() if isinstance(v, _Deferred)}
     groups = _groups(model, optimizer)
-    keys = _gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
+    keys = _gathered(_state_keys(state))
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra, "meta": meta}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
-    if asynchronous:  # copied to host memory now, written by a thread (.metadata last, as below)
-        future = dcp.async_save(_host_copy(state), checkpoint_id=saving, process_group=_background_group(),
+    if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
+        copy = {k: v.logical() if k in deferred else _host_copy(v) for k, v in state.items()}
+        future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
                                 async_stager=_AlreadyStaged())  # fmt: skip
         _pending.append(PendingSave(future, saving, final, start))
         return _pending[-1]
-    dcp.save(state, checkpoint_id=saving)  # .metadata last, once every rank's pieces are written
+    # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
+    planned = {k: v.placeholder if k in deferred else v for k, v in state.items()}
+    dcp.save(planned, checkpoint_id=saving, planner=_ReadWhenWritten(deferred))
     _barrier()
     if rank == 0:
         _put_in_place(saving, final)

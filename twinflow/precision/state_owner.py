@@ -113,6 +113,10 @@ class OptimizerState(StateOwner, Protocol):
         """Every update taken so far is in the masters and moments."""
         ...
 
+    def absorb_edits(self) -> None:
+        """In-place writes to the copies ``opt.state`` handed out reach the state (before it is read whole)."""
+        ...
+
     def loaded_raw(self, steps: dict[int, int]) -> None:
         """After the raw state of the parameters `steps` names was written: their step counts; others start
         afresh."""
