@@ -23,6 +23,8 @@ and in any ``state_precision`` (the optimizer's own ``load_state_dict`` places t
 - **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
   previous tags loadable, and the next save removes what it left.
+- **Bounded memory at the save.** The optimizer's state is read a tensor at a time as DCP writes it, each to a
+  file of its own (:class:`_Deferred`); the load reads the rank's state in float32 before it changes anything.
 - **Nothing changes on a failed load.** The pieces are read into new host tensors; the model, the optimizer and the
   scheduler are changed only once everything has been read, and a piece DCP cannot read (a damaged or missing
   file) is refused naming the tag folder.
@@ -118,11 +120,10 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 class _Deferred:
     """A parameter's moment or master, read from the optimizer's state owner only when DCP writes it (float32, host
-    memory), never through ``opt.state``: state_dict()'s decoded copies of compact state stayed in ``opt.state``
-    after the save (12 bytes a parameter, until it was next read). DCP's file writer still keeps each tensor it
-    wrote until the rank's file ends, so the peak during a save is the rank's state in float32. Stands in the
-    state dict as `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP
-    plans."""
+    memory), never through ``opt.state`` (state_dict()'s decoded copies of compact state stayed there after the
+    save, 12 bytes a parameter). With a file a tensor (DCP's writer keeps a file's tensors until the file ends),
+    a save holds one such tensor at a time. Stands in the state dict as `placeholder`: a logical tensor of the
+    right shape and dtype over no memory, from which DCP plans."""
 
     def __init__(self, p: torch.Tensor, owner: Any, i: int, key: str) -> None:
         self.p, self.owner, self.i, self.key = p, owner, i, key
@@ -333,7 +334,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         return _pending[-1]
     # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
     planned = {k: v.placeholder if k in deferred else v for k, v in state.items()}
-    dcp.save(planned, checkpoint_id=saving, planner=_ReadWhenWritten(deferred))
+    writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
+    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=_ReadWhenWritten(deferred))
     _barrier()
     if rank == 0:
         _put_in_place(saving, final)
