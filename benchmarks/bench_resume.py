@@ -1,0 +1,214 @@
+"""A checkpoint that moves, measured: an OPT model saved by N ranks and resumed by M, under torchrun.
+
+    # the run that saves: BEFORE steps, a timed save, then AFTER more steps (the uninterrupted run)
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_resume.py --model opt-13b \
+        --config benchmarks/configs/opt-13b-x4-compact-auto.json --ckpt /tmp/ckpt --save --out save4.json
+    # the runs that resume: a timed load, then the same AFTER steps, compared with the saving run's
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_resume.py --model opt-13b \
+        --config benchmarks/configs/opt-13b-x4-compact-auto.json --ckpt /tmp/ckpt --load --reference save4.json \
+        --out load2.json
+
+Every step's global batch is the same whatever the world size (--global-batch sequences, each rank its slice, a
+micro-batch of global / world and no accumulation), so runs of different world sizes train alike up to the order
+of their sums; the loss is the ranks' mean. ``--asynchronous`` (with --save): after the uninterrupted steps, an
+asynchronous save and --async-steps steps while it is written, timed against the uninterrupted steps. The
+config's ``offload_ratio`` ("auto": each world size plans its own) and ``offload_state_precision`` apply as
+given. Writes JSON (--out, else $OUT, else benchmarks/results/): losses, step times, the save's or load's seconds
+and the peak host memory during it (this rank's resident size and the machine's used memory, sampled every
+20 ms), for every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))
+import twinflow  # noqa: E402
+from benchmarks.common import machine_info, write_json  # noqa: E402
+from twinflow.models import build_opt  # noqa: E402
+
+GIB = 2**30
+
+
+def status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def machine_used_bytes() -> int:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            info[name] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class HostPeak:
+    """The peak of this process's resident memory and of the machine's used memory while the block runs."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every, self.rank_peak, self.machine_peak = every, 0, 0
+        self.done = threading.Event()
+
+    def sample(self) -> None:
+        self.rank_peak = max(self.rank_peak, status_bytes("VmRSS"))
+        self.machine_peak = max(self.machine_peak, machine_used_bytes())
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.sample()
+
+    def __enter__(self) -> HostPeak:
+        self.before_rank, self.before_machine = status_bytes("VmRSS"), machine_used_bytes()
+        self.sample()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.done.set()
+        self.thread.join()
+        self.sample()
+
+    def report(self) -> dict:
+        return {"seconds": self.seconds, "rank_peak_gib": self.rank_peak / GIB,
+                "rank_above_start_gib": (self.rank_peak - self.before_rank) / GIB,
+                "machine_used_peak_gib": self.machine_peak / GIB,
+                "machine_above_start_gib": (self.machine_peak - self.before_machine) / GIB}  # fmt: skip
+
+
+def batch(step: int, rank: int, world: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Step `step`'s global batch (the same for every world size), this rank's slice of it."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, vocab, (global_batch, 1), generator=gen)
+    stride = torch.randint(1, 8, (global_batch, 1), generator=gen)
+    tokens = (start + stride * torch.arange(seq)) % vocab
+    share = global_batch // world
+    return tokens[rank * share : (rank + 1) * share]
+
+
+def train(engine, steps: range, args, rank: int, world: int, device: str, vocab: int) -> tuple[list, list]:  # noqa: ANN001
+    """The steps' global losses (the ranks' mean) and seconds."""
+    losses, seconds = [], []
+    for step in steps:
+        start = time.perf_counter()
+        tokens = batch(step, rank, world, args.global_batch, args.seq_len, vocab).to(device)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        seconds.append(time.perf_counter() - start)
+    return losses, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="opt-125m")
+    parser.add_argument("--config", required=True, help="DeepSpeed-style JSON; its micro-batch is set here")
+    parser.add_argument("--ckpt", required=True, type=Path)
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--save", action="store_true")
+    how.add_argument("--load", action="store_true")
+    parser.add_argument("--tag", default="moved")
+    parser.add_argument("--per-rank", action="store_true", help="--save: the per-rank format, not the portable one")
+    parser.add_argument("--before", type=int, default=5, help="steps before the save")
+    parser.add_argument("--after", type=int, default=5, help="steps after the save, or after the load")
+    parser.add_argument("--asynchronous", action="store_true", help="--save: then an asynchronous save, timed")
+    parser.add_argument("--async-steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.global_batch % world:
+        parser.error(f"--global-batch {args.global_batch} is not a multiple of the world size {world}")
+    config = json.loads(Path(args.config).read_text())
+    config.update(train_micro_batch_size_per_gpu=args.global_batch // world, gradient_accumulation_steps=1)
+    if "LOCAL_RANK" in os.environ:
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
+    torch.manual_seed(0 if args.save else 1)  # resumed: other weights, every one must come from the load
+    model = build_opt(args.model, device, dtype)
+    vocab = model.config.vocab_size
+    start = time.perf_counter()
+    engine, *_ = twinflow.initialize(model=model, config=config)
+    row: dict = {"rank": rank, "world_size": world, "initialize_s": time.perf_counter() - start}
+    if args.save:
+        before = train(engine, range(args.before), args, rank, world, device, vocab)
+        row["losses_before"], row["seconds_before"] = before
+        with HostPeak() as peak:
+            engine.save_checkpoint(args.ckpt, args.tag, portable=not args.per_rank)
+        row["save"] = peak.report()
+        row["losses_after"], row["seconds_after"] = train(engine, range(args.before, args.before + args.after), args,
+                                                          rank, world, device, vocab)  # fmt: skip
+        if args.asynchronous:
+            with HostPeak() as peak:
+                engine.save_checkpoint(args.ckpt, args.tag + "_async", portable=True, asynchronous=True)
+            row["async_save_call"] = peak.report()
+            first = args.before + args.after
+            with HostPeak() as peak:
+                _, row["seconds_during_async_save"] = train(engine, range(first, first + args.async_steps), args,
+                                                            rank, world, device, vocab)  # fmt: skip
+                engine.wait_checkpoint()
+            row["async_steps_and_wait"] = peak.report()
+            normal = statistics.median(row["seconds_after"])
+            row["async_step_over_normal"] = statistics.median(row["seconds_during_async_save"]) / normal
+    else:
+        with HostPeak() as peak:
+            engine.load_checkpoint(args.ckpt, args.tag)
+        row["load"] = peak.report()
+        row["global_steps_loaded"] = engine.global_steps
+        first = engine.global_steps
+        row["losses_after"], row["seconds_after"] = train(engine, range(first, first + args.after), args, rank,
+                                                          world, device, vocab)  # fmt: skip
+    row["ratio"] = engine.local_optimizer.ratio
+    row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
+    row["peak_host_gib"] = status_bytes("VmHWM") / GIB
+    rows: list = [None] * world
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(rows, row)
+    else:
+        rows = [row]
+    if rank == 0:
+        result = {"command": sys.argv, "model": args.model, "config": args.config, "world_size": world,
+                  "machine": machine_info(), "rows": rows}  # fmt: skip
+        if args.reference:
+            saved = json.loads(args.reference.read_text())["rows"][0]["losses_after"]
+            mine = rows[0]["losses_after"]
+            result["relative_difference_to_reference"] = [abs(a - b) / abs(b) for a, b in zip(mine, saved)]
+            result["within_1_percent"] = all(d <= 0.01 for d in result["relative_difference_to_reference"])
+        path = write_json(result, f"bench_resume_{args.model}_{'save' if args.save else 'load'}{world}.json", args.out)
+        print(json.dumps({k: rows[0].get(k) for k in ("save", "load", "losses_after", "ratio")}, default=str))
+        if args.reference:
+            print(json.dumps({"relative_difference_to_reference": result["relative_difference_to_reference"]}))
+        print(f"wrote {path}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
