@@ -202,6 +202,7 @@ peaks["load"] = extra(lambda: load_checkpoint(directory, model=model, optimizer=
 peaks["convert"] = extra(lambda: convert(directory, "t", directory / "adamw.pt"))
 kept = []
 peaks["state_dict"] = extra(lambda: kept.append(opt.state_dict()))  # what it returns stays: only scratch counts
+peaks["load_state_dict"] = extra(lambda: opt.load_state_dict(kept[0]))
 print(json.dumps({"peaks": peaks, "elements": sum(p.numel() for p in model.parameters())}))
 """
 
@@ -231,4 +232,7 @@ def test_build_save_load_convert_and_state_dict_stay_within_a_chunk_of_host_memo
     # state_dict() decodes each side straight into the float32 entry it returns, a batch at a time: the same
     # bounded scratch beyond the entries themselves (a decoded copy of a side's share would be 4 bytes a parameter)
     assert peaks["state_dict"] <= chunk + scratch, peaks
+    # load_state_dict encodes the CPU share's moments a batch of COPY_ELEMENTS at a time too (its int64 scratch
+    # about 72 bytes an element); it encoded each piece whole before (4M elements here: 289 MB)
+    assert peaks["load_state_dict"] <= chunk + 2 * scratch, peaks
     assert (tmp_path / "adamw.pt").stat().st_size >= 12 * elements

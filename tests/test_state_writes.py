@@ -31,6 +31,7 @@ from tests.test_torch_optim_conformance import (
     twin,
 )
 from twinflow import TwinFlowAdam
+from twinflow.precision import compact
 
 RATIOS = [pytest.param(0.0, id="r0"), pytest.param(0.37, id="r0.37"), pytest.param(0.4, id="r0.4"),
           pytest.param(1.0, id="r1")]  # fmt: skip
@@ -529,3 +530,21 @@ def test_an_edited_copy_does_not_hide_an_outside_weight_write(precision: str) ->
     model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
     torch.testing.assert_close(w.float(), torch.full((8, 8), 3.0), rtol=0, atol=0.02)
+
+
+def test_the_cpu_share_encodes_a_loaded_parameter_a_batch_at_a_time_with_the_bits_of_a_whole_encoding() -> None:
+    """A parameter of more than two of the encoder's batches (and a tail that is no whole block): the moments
+    load_state_dict encodes batch by batch are those of one encoding of the whole parameter."""
+    n = 2 * compact.COPY_ELEMENTS + 3 * compact.BLOCK + 77
+    p = torch.nn.Parameter(torch.randn(n))
+    opt = TwinFlowAdam([p], ratio=1.0, state_precision="int8")
+    gen = torch.Generator().manual_seed(5)
+    m = torch.randn(n, generator=gen) * torch.logspace(-6, 0, n)  # scales that differ from block to block
+    v = torch.rand(n, generator=gen) * torch.logspace(-9, -1, n)
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}},
+             "param_groups": opt.state_dict()["param_groups"]}  # fmt: skip
+    opt.load_state_dict(state)
+    codes_m, scales_m, codes_v, scales_v = compact.encode(m, v)
+    got = opt.state_dict()["state"][0]
+    assert torch.equal(got["exp_avg"], compact.decode_exp_avg(codes_m, scales_m))
+    assert torch.equal(got["exp_avg_sq"], compact.decode_exp_avg_sq(codes_v, scales_v))

@@ -124,13 +124,16 @@ class Int8Codec:
             return
         both = [values[k] if k in values else self.read_all(pieces, k) for k in MOMENTS]  # encoded together
         for pc in pieces:
+            q = self.q8[pc.id]
             if both[0] is None:
-                for t in self.q8[pc.id]:
+                for t in q:
                     t.zero_()
-            else:
-                a, b = pc.start - lo, pc.end - lo
-                encoded = compact.encode(both[0][a:b], both[1][a:b])
-                torch._foreach_copy_(self.q8[pc.id], list(encoded))
+                continue
+            at = pc.start - lo
+            for a, b in compact.spans(pc.numel):  # a batch at a time: encoding's int64 scratch stays bounded
+                encoded = compact.encode(both[0][at + a : at + b], both[1][at + a : at + b])
+                blocks = slice(a // compact.BLOCK, compact.blocks(b))
+                torch._foreach_copy_([q[0][a:b], q[1][blocks], q[2][a:b], q[3][blocks]], list(encoded))
 
     def step(self, pieces: list[Piece], grads: list[torch.Tensor], outs: list[torch.Tensor], steps: list[int],
              current: list[int], apart: bool, hyper: dict) -> None:  # fmt: skip
