@@ -284,3 +284,17 @@ def test_an_edit_to_a_copy_opt_state_handed_out_is_saved() -> None:
     loaded = other_opt.state_dict()["state"]
     assert loaded[0]["exp_avg"].abs().max() == 0
     assert loaded[2]["exp_avg"].abs().max() > 0  # the others kept theirs
+
+
+def test_a_tensor_of_the_users_own_beside_a_parameters_state_is_saved_and_comes_back(tmp_path) -> None:
+    """opt.state[p]["ema"] = ... (the user guide's example) travels with the state, as state_dict() carries it."""
+    model, opt = _single(0)
+    _train(model, opt)
+    weight = model[0].weight
+    ema = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    opt.state[weight]["ema"] = ema.clone()
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    other, other_opt = _single(1)
+    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert torch.equal(other_opt.state[other[0].weight]["ema"], ema)
+    assert "ema" not in other_opt.state[other[2].weight]

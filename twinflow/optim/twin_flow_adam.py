@@ -128,7 +128,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self.coordinator.on_build.append(lambda: this().split_built())
         self.split_summary: dict[str, Any] | None = None
         self._states.bind(self.coordinator.split)  # its index tells parameters from other keys before 'auto' builds
-        self.device = self.coordinator.split.device
+        self.device, self.state_extras = self.coordinator.split.device, self._states.extras  # (opt.state unsynced)
         self.attachment: Attachment | None = None  # the hooks of attach()
         self.pending_state: dict[int, dict[str, torch.Tensor]] | None = None  # loaded before ratio='auto' built
         self.offload = offload_states.StateOffload()  # what offload_states() moved out, and its host buffer
