@@ -34,15 +34,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 import twinflow  # noqa: E402
-from benchmarks.common import machine_info, write_json  # noqa: E402
+from benchmarks.common import machine_info, proc_status_bytes, write_json  # noqa: E402
 from twinflow.models import build_opt  # noqa: E402
 
 GIB = 2**30
-
-
-def status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def machine_used_bytes() -> int:
@@ -62,7 +57,7 @@ class HostPeak:
         self.done = threading.Event()
 
     def sample(self) -> None:
-        self.rank_peak = max(self.rank_peak, status_bytes("VmRSS"))
+        self.rank_peak = max(self.rank_peak, proc_status_bytes("VmRSS"))
         self.machine_peak = max(self.machine_peak, machine_used_bytes())
 
     def run(self) -> None:
@@ -70,7 +65,7 @@ class HostPeak:
             self.sample()
 
     def __enter__(self) -> HostPeak:
-        self.before_rank, self.before_machine = status_bytes("VmRSS"), machine_used_bytes()
+        self.before_rank, self.before_machine = proc_status_bytes("VmRSS"), machine_used_bytes()
         self.sample()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -186,7 +181,7 @@ def main() -> None:
                                                           world, device, vocab)  # fmt: skip
     row["ratio"] = engine.local_optimizer.ratio
     row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
-    row["peak_host_gib"] = status_bytes("VmHWM") / GIB
+    row["peak_host_gib"] = proc_status_bytes("VmHWM") / GIB
     rows: list = [None] * world
     if torch.distributed.is_initialized():
         torch.distributed.all_gather_object(rows, row)

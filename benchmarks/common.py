@@ -65,6 +65,14 @@ def interleaved_medians(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def proc_status_bytes(key: str) -> int:
+    """A figure of this process's /proc/self/status in bytes (VmRSS: resident now; VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def write_json(result: dict, name: str, out: str | None) -> Path:
     """Writes to --out, else $OUT/<name>, else benchmarks/results/<name>."""
     path = Path(out) if out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / name

@@ -94,6 +94,17 @@ def _logical(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value.reshape(p.shape)
 
 
+def _host_state_tensor(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A state tensor of `p` as saved: host memory, float32 (a step count as it is), logical (:func:`_logical`)."""
+    return _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
+
+
+def _placeholder(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A logical tensor of `p`'s shape in `dtype` over no memory (one element, expanded), made where `p` is: a DTensor
+    over a GPU mesh moves a host piece to its GPU, densely."""
+    return _logical(p, torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape))
+
+
 def _gathered(mine: dict[str, Any]) -> dict[str, Any]:
     """The union over the ranks of each rank's `mine` (name -> value)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -115,7 +126,7 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in state.items():
         p = params[index]
-        out[names[id(p)]] = {key: _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
+        out[names[id(p)]] = {key: _host_state_tensor(p, v)
                              for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
     return out
 
@@ -129,9 +140,7 @@ class _Deferred:
 
     def __init__(self, p: torch.Tensor, owner: Any, i: int, key: str) -> None:
         self.p, self.owner, self.i, self.key = p, owner, i, key
-        # made where the parameter is: a DTensor over a GPU mesh moves a host tensor there, densely
-        here = torch.zeros((), dtype=torch.float32, device=local(p).device)
-        self.placeholder = _logical(p, here.expand(local(p).shape))
+        self.placeholder = _placeholder(p, torch.float32)
 
     def local(self) -> torch.Tensor:
         """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
@@ -160,7 +169,7 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
         if not owner.holds(i):
             continue
         keys = ("exp_avg", "exp_avg_sq") + (("master",) if owner.locals[i].dtype != torch.float32 else ())
-        own = {k: _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
+        own = {k: _host_state_tensor(p, v)
                for k, v in extras.get(i, {}).items() if isinstance(v, torch.Tensor)}  # fmt: skip
         out[names[id(p)]] = {**own, "step": torch.tensor(float(owner.steps[i])),
                              **{key: _Deferred(p, owner, i, key) for key in keys}}  # fmt: skip
@@ -380,10 +389,7 @@ def _host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 
 def _host_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new DTensor of DTensor `p`'s shape and placements in `dtype`, its piece in host memory (uninitialised)."""
-    here = torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape)
-    placeholder = DTensor.from_local(here, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                     stride=p.stride())  # fmt: skip
-    return placeholder.to("cpu", copy=True)
+    return _placeholder(p, dtype).to("cpu", copy=True)
 
 
 def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
