@@ -109,6 +109,8 @@ def train(engine, steps: range, args, rank: int, world: int, device: str, vocab:
             torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
         seconds.append(time.perf_counter() - start)
+        if rank == 0:
+            print(f"step {step}: loss {losses[-1]:.4f}, {seconds[-1]:.3f} s", flush=True)
     return losses, seconds
 
 

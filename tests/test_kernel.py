@@ -297,6 +297,19 @@ def test_bad_input_raises_and_modifies_nothing(case: str) -> None:
         assert torch.equal(b, t)
 
 
+def test_a_meta_tensor_is_refused_before_the_kernel() -> None:
+    """A tensor outside host memory is refused by name before the op is called (a meta tensor reached the fake
+    kernel and the call did nothing)."""
+    args = good_args()
+    args["exp_avgs"][1] = args["exp_avgs"][1].to("meta")
+    tensors = args["params"] + args["grads"] + args["exp_avg_sqs"]
+    before = snapshot(tensors)
+    with pytest.raises(ValueError, match=r"exp_avgs\[1\] is on meta"):
+        ops.adam_step_(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    for b, t in zip(before, tensors):
+        assert torch.equal(b, t)
+
+
 @pytest.mark.cuda
 def test_cuda_tensor_is_refused() -> None:
     args = good_args()

@@ -548,3 +548,31 @@ def test_the_cpu_share_encodes_a_loaded_parameter_a_batch_at_a_time_with_the_bit
     got = opt.state_dict()["state"][0]
     assert torch.equal(got["exp_avg"], compact.decode_exp_avg(codes_m, scales_m))
     assert torch.equal(got["exp_avg_sq"], compact.decode_exp_avg_sq(codes_v, scales_v))
+
+
+def test_a_load_encodes_with_the_kernels_threads_and_gives_torch_its_own_back(monkeypatch) -> None:
+    """Under torchrun torch has one thread a rank: a load's encoding of the CPU share's moments runs with the
+    kernel's share of the cores (here TWINFLOW_NUM_THREADS), and torch's own count comes back after it."""
+    monkeypatch.setenv("TWINFLOW_NUM_THREADS", "3")
+    seen: list[int] = []
+    encode = compact.encode
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        seen.append(torch.get_num_threads())
+        return encode(*args)
+
+    monkeypatch.setattr(compact, "encode", counting)
+    p = torch.nn.Parameter(torch.randn(3 * compact.BLOCK))
+    opt = TwinFlowAdam([p], ratio=1.0, state_precision="int8")
+    state = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(p.numel()),
+                           "exp_avg_sq": torch.rand(p.numel())}},
+             "param_groups": opt.state_dict()["param_groups"]}  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen.clear()
+        opt.load_state_dict(state)
+        assert seen and set(seen) == {3}, seen
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -156,3 +156,13 @@ def test_a_master24_copy_is_the_nearest_encoding_of_any_source(dtype: torch.dtyp
     hi, lo = compact.encode_master(src.float())
     assert torch.equal(master.hi.view(torch.int16), hi.view(torch.int16))
     assert torch.equal(master.lo, lo)
+
+
+def test_write_weight_gives_the_weight_of_the_masters_batch_by_batch() -> None:
+    """A load sets a bf16 weight from float32 masters on the weight's device, a batch at a time (more than two
+    batches and a tail here): the same bits as weight_of over the whole tensor, and every element written."""
+    n = 2 * compact.COPY_ELEMENTS + 3 * compact.BLOCK + 77
+    master = torch.randn(n, generator=torch.Generator().manual_seed(3)) * torch.logspace(-4, 2, n)
+    weight = torch.full((n,), float("nan"), dtype=torch.bfloat16)  # poisoned: an element left unwritten shows
+    weight_master.write_weight(weight, master)
+    assert torch.equal(weight, weight_master.weight_of(master))

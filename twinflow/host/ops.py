@@ -288,26 +288,21 @@ def adam_step_(
 ) -> None:
     """One Adam/AdamW step over many CPU tensors in one parallel region, in place.
 
-    ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are float32; ``grads`` float32,
-    bfloat16 or float16. ``steps[i]`` is tensor i's step count *after* this
-    update (1 on the first step). If ``out_copies`` is given, the updated
-    params are also written, rounded, into those bfloat16/float16 (or float32)
-    tensors: the staging buffers that carry weights back to the GPU.
-    ``grad_scale`` multiplies every gradient first (a clipping coefficient
-    or an inverse loss scale known only after the gradients were staged).
-    With ``sources = (params_in, exp_avgs_in, exp_avg_sqs_in)`` the state is
-    read from those tensors and written to ``params``, ``exp_avgs`` and
-    ``exp_avg_sqs`` (out of place, each pair the same tensor or apart): the
-    state a step started from stays as it was.
-    ``peek``: the same arithmetic, but only ``out_copies`` (then required)
-    are written and the state stays as it was; the same call without
-    ``peek`` later commits the state, its masters the ones the copies were
-    rounded from (new weights first, the state behind them).
-    Every argument is checked before anything is written. The GIL is released
-    while the kernel runs.
+    ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are float32; ``grads`` float32, bfloat16 or float16. ``steps[i]``
+    is tensor i's step count *after* this update (1 on the first step). If ``out_copies`` is given, the updated
+    params are also written, rounded, into those bfloat16/float16 (or float32) tensors: the staging buffers that
+    carry weights back to the GPU. ``grad_scale`` multiplies every gradient first (a clipping coefficient or an
+    inverse loss scale known only after the gradients were staged). With ``sources = (params_in, exp_avgs_in,
+    exp_avg_sqs_in)`` the state is read from those tensors and written to ``params``, ``exp_avgs`` and
+    ``exp_avg_sqs`` (out of place, each pair the same tensor or apart): the state a step started from stays as it
+    was. ``peek``: the same arithmetic, but only ``out_copies`` (then required) are written and the state stays as
+    it was; the same call without ``peek`` later commits the state, its masters the ones the copies were rounded
+    from (new weights first, the state behind them). Every argument is checked before anything is written. The GIL
+    is released while the kernel runs.
     """
     if len(params) == 0:
         return
+    _on_the_host(locals(), "params grads exp_avgs exp_avg_sqs out_copies sources")
     load()
     (torch.ops.twinflow.adam_peek_ if peek else torch.ops.twinflow.adam_step_)(
         list(params),
@@ -319,6 +314,16 @@ def adam_step_(
         *_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd),
         [t for ts in sources for t in ts] if sources is not None else [],
     )
+
+
+def _on_the_host(args: dict, names: str) -> None:
+    """Refuses, before the op, a tensor of `args`' lists `names` not in host memory: a CUDA tensor crashed the op
+    (a segmentation fault on an H200), a meta tensor reached its fake kernel and did nothing."""
+    for name in names.split():
+        tensors = [t for ts in args[name] for t in ts] if name == "sources" and args[name] else args[name] or ()
+        for i, t in enumerate(tensors):
+            if t.device.type != "cpu":
+                raise ValueError(f"{name}[{i}] is on {t.device}; the CPU Adam kernel needs CPU tensors (.cpu())")
 
 
 def _scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, num_threads, simd) -> list:
@@ -444,6 +449,9 @@ def adam_step_q8_(
     """
     if len(params) == 0:
         return
+    _on_the_host(
+        locals(), "params grads exp_avg_codes exp_avg_scales exp_avg_sq_codes exp_avg_sq_scales out_copies master_lows"
+    )
     load()
     (torch.ops.twinflow.adam_peek_q8_ if peek else torch.ops.twinflow.adam_step_q8_)(
         list(params),

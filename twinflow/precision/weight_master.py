@@ -71,3 +71,11 @@ def weight_of(master: torch.Tensor) -> torch.Tensor:
     for a, b in compact.spans(flat.numel()):
         out[a:b] = split(*compact.encode_master(flat[a:b]))[0]
     return out.view(master.shape)
+
+
+def write_weight(weight: torch.Tensor, master: torch.Tensor) -> None:
+    """Sets the contiguous bfloat16 `weight` to :func:`weight_of` `master` (anywhere), converted a batch at a time on
+    the weight's device: a load's host masters convert on the GPU, not in the host's one torchrun thread."""
+    out, flat = weight.view(-1), master.reshape(-1)
+    for a, b in compact.spans(flat.numel()):
+        out[a:b] = split(*compact.encode_master(flat[a:b].to(out.device, torch.float32)))[0]

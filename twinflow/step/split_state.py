@@ -289,7 +289,10 @@ class SplitState(WholeParams):
             # write sets it again, rounded its own way
             master = entry["master"].reshape(-1)
             m24 = self.precision.weight_is_master(p.dtype)  # the weight a 24-bit master has
-            p.copy_((weight_master.weight_of(master.float()) if m24 else master).view(p.shape))
+            if m24 and p.is_contiguous():
+                weight_master.write_weight(p, master)
+            else:
+                p.copy_((weight_master.weight_of(master.float()) if m24 else master).view(p.shape))
         self.write(i, flat)
         if followed or entry is None:
             # our own writes (a side that keeps the master in the weight writes it), noted after them; only where
