@@ -34,6 +34,8 @@ and in any ``state_precision`` (the optimizer's own ``load_state_dict`` places t
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
@@ -50,10 +52,13 @@ from twinflow.version import __version__
 try:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.tensor import DTensor
+
+    FileSystemReader = dcp.FileSystemReader
 except ImportError:  # pragma: no cover (torch >= 2.4 has them)
-    dcp = DTensor = None
-    DefaultSavePlanner = object
+    dcp = DTensor = LoadItemType = None
+    DefaultSavePlanner = FileSystemReader = object
 
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
@@ -392,6 +397,38 @@ def _host_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _placeholder(p, dtype).to("cpu", copy=True)
 
 
+class _MappedReader(FileSystemReader):
+    """DCP's file reader, except that a tensor alone in its file (the synchronous save's layout: a file a tensor) is
+    mapped (``torch.load(mmap=True)``) and copied from the page cache into its target once; DCP's own reader reads
+    each piece into a new tensor first, then copies it (1.7x the time of this at one thread, 268M parameters). Any
+    other piece (an asynchronous save's file of many, a file of another size than DCP's index says: damaged) and a
+    file that cannot be mapped go to DCP's reader, which reads or refuses them as before."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        rest = [item for item in plan.items if not self._mapped(item, planner)]
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _mapped(self, item: Any, planner: Any) -> bool:
+        info = self.storage_data[item.storage_index]
+        path = os.path.join(self.path, info.relative_path)
+        if item.type != LoadItemType.TENSOR or info.offset != 0 or getattr(info, "transform_descriptors", None):
+            return False
+        try:
+            if os.path.getsize(path) != info.length:
+                return False
+            tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 (DCP's reader reads it, or names what is wrong)
+            return False
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)  # the piece this rank's target takes, as DCP narrows it
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            return False
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+        return True
+
+
 def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer, scheduler: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """Loads a portable checkpoint saved by any number of ranks into this run (every rank calls it); returns the
@@ -420,7 +457,7 @@ def load_portable(directory: str | Path, tag: str | None = None, *, model: torch
         target[OPTIM][name] = {k: torch.zeros(()) if k == "step" else _host_target(p.detach(), torch.float32)
                                for k in info["state_keys"][name]}  # fmt: skip
     try:
-        dcp.load(target, checkpoint_id=folder)
+        dcp.load(target, checkpoint_id=folder, storage_reader=_MappedReader(folder))
     except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException, kept in the message)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = lines[-1][:300] if lines else type(exc).__name__
