@@ -17,10 +17,11 @@ written set current. Readers see the first set: :meth:`settle` copies pieces bac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from twinflow.base import node
 from twinflow.host import ops
 from twinflow.host.staging import Piece, by_param
 from twinflow.precision import compact
@@ -143,19 +144,11 @@ class Int8Codec:
                           index_bases=[pc.start for pc in pieces], **m24, **hyper)  # fmt: skip
 
 
-@contextlib.contextmanager
-def conversion_threads() -> Iterator[None]:
+def conversion_threads() -> contextlib.AbstractContextManager[None]:
     """torch's threads raised to the CPU kernel's share for a conversion of the whole state (a load, a save, a new
     ratio), then put back: torchrun leaves each rank one thread, and a load's encoding of 1.3B parameters'
     moments ran 8M elements a second in it (a first step of 28 s after a portable load on an H200)."""
-    before, wanted = torch.get_num_threads(), ops.default_num_threads()
-    if wanted > before:
-        torch.set_num_threads(wanted)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
+    return node.torch_threads(ops.default_num_threads())
 
 
 class HostState:
