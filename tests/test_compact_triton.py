@@ -33,6 +33,21 @@ def _codes(n: int, gen: torch.Generator) -> list[torch.Tensor]:
     return [m, sm, v, sv]
 
 
+PAD = 4 * compact.BLOCK  # bytes past each code tensor's end, which no step may write
+
+
+def _padded_clones(codes: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Copies of `codes`, each the head of a longer tensor whose tail is random: (the copies, (each tail, a copy
+    of it))."""
+    whole = [torch.cat([t, torch.randint(0, 100, (PAD,), dtype=torch.int16).to(t.dtype)]) for t in codes]
+    tails = [w[t.numel() :] for w, t in zip(whole, codes)]
+    return [w[: t.numel()] for w, t in zip(whole, codes)], [(t, t.clone()) for t in tails]
+
+
+def _tails_kept(tails: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    return all(torch.equal(tail, kept) for tail, kept in tails)
+
+
 def _grads(n: int, gen: torch.Generator, dtype: torch.dtype, special: bool) -> torch.Tensor:
     grad = torch.randn(n, generator=gen) * torch.logspace(-6, 1, n)[torch.randperm(n, generator=gen)]
     grad[::7] = 0
@@ -66,9 +81,10 @@ def residual_case(kernel, n: int, grad_dtype: torch.dtype, adamw: bool, scaled: 
     meta = torch.tensor([1 << 32 | 12345, compact.key(3)])  # an index past 32 bits: the hash takes its low 32
     outs = []
     for step in (compact_step.residual_step_, kernel.residual_step_):
-        w, r, cs = weight.clone(), residual.clone(), [t.clone() for t in codes]
+        w, r, (cs, tails) = weight.clone(), residual.clone(), _padded_clones(codes)
         step(w, r, grad.clone(), cs, c, scale, meta, l2)
         outs.append([w, r, *cs])
+        assert _tails_kept(tails), "a step wrote past the end of a code or scale tensor"
     assert not _same(outs[0][0], weight)  # the step moved the weights: a kernel that writes nothing differs
     skip = None if nan_bits else outs[0][0].isnan() | grad.isnan()
     assert nan_bits or not skip.all()
@@ -86,10 +102,11 @@ def master_case(kernel, out_dtype: torch.dtype | None, adamw: bool) -> list[str]
     c, meta, l2 = compact_step.constants(7, hyper), torch.tensor([4096, compact.key(7)]), compact_step.uses_l2(hyper)
     outs = []
     for step in (compact_step.master_step_, kernel.master_step_):
-        p, cs = master.clone(), [t.clone() for t in codes]
+        p, (cs, tails) = master.clone(), _padded_clones(codes)
         out = None if out_dtype is None else torch.full((n,), float("nan"), dtype=out_dtype)  # poisoned
         step(p, out, grad.clone(), cs, c, torch.tensor(1.0), meta, l2)
         outs.append([p, *cs] + ([] if out is None else [out]))
+        assert _tails_kept(tails), "a step wrote past the end of a code or scale tensor"
     assert not outs[0][0].equal(master)
     names = ("master", *compact_step.CODE_KEYS, "weight")
     return [name for name, a, b in zip(names, *outs) if not _same(a, b)]
@@ -140,9 +157,24 @@ class _GpuKernel:
         _on_gpu(compact_triton.master_step_, args)
 
 
+ROWS = (1, 4)  # blocks a program steps: one, and several (the last program's blocks in part past the tensor's end)
+
+
+def _at_rows(rows: int, run):  # noqa: ANN001, ANN202
+    """`run()` with the kernel stepping `rows` blocks a program; its own setting restored."""
+    from twinflow.device import compact_triton
+
+    chosen, compact_triton.ROWS = compact_triton.ROWS, rows
+    try:
+        return run()
+    finally:
+        compact_triton.ROWS = chosen
+
+
 @pytest.mark.cuda
-def test_on_the_gpu_the_kernel_keeps_the_torch_steps_bits_in_every_case() -> None:
-    differ = {name: d for name, check in cases() if (d := check(_GpuKernel, nan_bits=False))}
+@pytest.mark.parametrize("rows", ROWS)
+def test_on_the_gpu_the_kernel_keeps_the_torch_steps_bits_in_every_case(rows: int) -> None:
+    differ = _at_rows(rows, lambda: {name: d for name, check in cases() if (d := check(_GpuKernel, nan_bits=False))})
     assert not differ
 
 
@@ -151,7 +183,7 @@ def test_the_kernel_keeps_the_torch_steps_bits_in_every_case() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("same bits:") == len(cases()), done.stdout
+    assert done.stdout.count("same bits:") == len(cases()) * len(ROWS), done.stdout
 
 
 if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case, its verdict a line
@@ -159,8 +191,8 @@ if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case, its verdict 
 
     assert compact_triton.interpreting() and not compact_triton.available(torch.device("cpu"))
     failed = []
-    for name, check in cases():
-        differ = check(compact_triton)
-        print(f"{'same bits:' if not differ else 'DIFFERENT ' + ', '.join(differ) + ':'} {name}")
+    for rows, (name, check) in itertools.product(ROWS, cases()):
+        differ = _at_rows(rows, lambda check=check: check(compact_triton))
+        print(f"{'same bits:' if not differ else 'DIFFERENT ' + ', '.join(differ) + ':'} {name} rows={rows}")
         failed += [name] if differ else []
     sys.exit(1 if failed else 0)

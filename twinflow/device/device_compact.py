@@ -12,9 +12,9 @@ the state is made:
   plus a signed residual byte (:mod:`twinflow.precision.weight_master`): 3 bytes of state an element;
 - otherwise (bfloat16 under "int8", float16) a float32 master beside the weight.
 
-The step is :mod:`twinflow.precision.compact_step`'s float32 operations, one pass per batch of :data:`BATCH` elements:
-on a GPU as one Triton kernel (:mod:`twinflow.device.compact_triton`), elsewhere as torch operations (where tests
-compare it with the CPU kernel); the same rounding noise as the CPU kernel, from the element's index in its
+The step is :mod:`twinflow.precision.compact_step`'s float32 operations: on a GPU as one Triton kernel a segment
+(:mod:`twinflow.device.compact_triton`), elsewhere as torch operations, one pass per batch of :data:`BATCH` elements
+(where tests compare it with the CPU kernel); the same rounding noise as the CPU kernel, from the element's index in its
 parameter and the step.
 """
 
@@ -51,9 +51,10 @@ class CompactSegment:
     codes: list[torch.Tensor] = field(default_factory=list)  # exp_avg codes, scales, exp_avg_sq codes, scales
     count: int = 0  # steps taken: the bias correction's and the rounding noise's
 
-    def batches(self, size: int = BATCH) -> list[tuple[int, int]]:
-        """[a, b) ranges of at most `size` elements (a multiple of the block) covering the segment."""
-        return compact.spans(self.seg.numel, size)
+    def batches(self, size: int | None = BATCH) -> list[tuple[int, int]]:
+        """[a, b) ranges of at most `size` elements (a multiple of the block; None: the whole segment) covering
+        the segment."""
+        return compact.spans(self.seg.numel, size or max(self.seg.numel, 1))
 
     def codes_of(self, a: int, b: int) -> list[torch.Tensor]:
         """The codes and block scales of elements [a, b) (a at a block's start)."""
@@ -78,17 +79,18 @@ def new_segment(seg: Segment, flat: torch.Tensor, precision: StatePrecision) -> 
     return CompactSegment(seg, flat, master, residual, codes)
 
 
-def step_functions(device: torch.device) -> tuple[Callable, Callable]:
-    """The two steps (residual form, float32 master) for `device`: the Triton kernel on a GPU
-    (:mod:`twinflow.device.compact_triton`), torch's operations elsewhere (the CPU suite checks those against the
-    kernel, the interpreter's run of the Triton kernel against them, and the GPU suite the kernel on a GPU against
-    the CPU). A GPU without Triton steps eagerly, many times slower, and says so once."""
+def step_functions(device: torch.device) -> tuple[Callable, Callable, int | None]:
+    """The two steps (residual form, float32 master) for `device` and the elements a call steps at most: the Triton
+    kernel on a GPU (:mod:`twinflow.device.compact_triton`), which needs no scratch and steps a segment in one
+    launch (None), torch's operations elsewhere, :data:`BATCH` elements a call (the CPU suite checks those against
+    the kernel, the interpreter's run of the Triton kernel against them, and the GPU suite the kernel on a GPU
+    against the CPU). A GPU without Triton steps eagerly, many times slower, and says so once."""
     if compact_triton.available(device):
-        return compact_triton.residual_step_, compact_triton.master_step_
+        return compact_triton.residual_step_, compact_triton.master_step_, None
     if device.type == "cuda":
         log.warning("Triton is not installed: the compact device step runs as torch operations, many times slower; "
                     "install the Triton that matches this torch (pip install triton)")  # fmt: skip
-    return compact_step.residual_step_, compact_step.master_step_
+    return compact_step.residual_step_, compact_step.master_step_, BATCH
 
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,7 +110,7 @@ class CompactDeviceState:
         self.of = {st.seg.index: st for st in self.states}
         device = weights[segments[0].index].device if segments else torch.device("cpu")
         self.device = device
-        self.residual_step, self.master_step = step_functions(device)
+        self.residual_step, self.master_step, self.step_batch = step_functions(device)
 
     @property
     def state_bytes(self) -> int:
@@ -215,7 +217,7 @@ class CompactDeviceState:
                                 residual=None if st.residual is None else fn(st.residual),
                                 codes=[fn(c) for c in st.codes]) for st in self.states]  # fmt: skip
         other.of = {st.seg.index: st for st in other.states}
-        other.residual_step, other.master_step = step_functions(other.device)
+        other.residual_step, other.master_step, other.step_batch = step_functions(other.device)
         return other
 
     def stepped(self, with_grad: set[int]) -> list[CompactSegment]:
@@ -241,7 +243,7 @@ class CompactDeviceState:
                     per_count[st.count] = compact_step.constant_values(st.count, hyper), compact.key(st.count)
                 values, key = per_count[st.count]
                 grad = grad_of(st.seg.index).reshape(-1)[st.seg.start : st.seg.end]
-                for a, b in st.batches():
+                for a, b in st.batches(self.step_batch):
                     work.append((st, a, b, grad[a:b]))
                     consts.append(values)
                     meta.append([st.seg.start + a, key])
