@@ -479,6 +479,47 @@ def test_the_device_probe_times_torchs_adam_on_the_cpu(monkeypatch: pytest.Monke
     assert twinflow.plan.device_adam_rate(torch.device("meta"), 1 << 12) == float("inf")  # nowhere to run it
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_device_probe_times_the_compact_step_where_a_gpu_runs_it(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under compact state a GPU's device side runs its own compact step, not fused AdamW: the probe times that
+    step (every element of every tensor once a call). On the CPU fused AdamW stands in, as before."""
+    from twinflow.device.device_compact import CompactDeviceState
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    clock, fused_calls = FakeClock([1.0, 0.125] + [0.5] * 10), []
+    real_step = CompactDeviceState.step
+
+    def step(self, states, *args) -> None:  # noqa: ANN001
+        real_step(self, states, *args)
+        clock.spend(elements=sum(st.seg.numel for st in states), tensors=len(states))
+
+    def fused(masters, *args, **kwargs) -> None:  # noqa: ANN001
+        fused_calls.append(len(masters))
+        clock.spend(elements=sum(m.numel() for m in masters), tensors=len(masters))
+
+    monkeypatch.setattr(CompactDeviceState, "step", step)
+    monkeypatch.setattr(torch, "_fused_adamw_", fused)
+    rate = twinflow.plan.device_adam_rate(torch.device(device), 3 * 4096, tensors=3, clock=clock,
+                                          state_precision="int8_m24")  # fmt: skip
+    assert rate == 3 * 4096 / 0.125
+    assert {(c["elements"], c["tensors"]) for c in clock.calls} == {(3 * 4096, 3)}
+    assert bool(fused_calls) == (device == "cpu")
+
+
+def test_the_compact_probe_steps_the_state_as_the_device_side_does() -> None:
+    """The probe's call moves every weight (a call that stepped nothing would time nothing), on the CPU here."""
+    from twinflow.plan import probes
+
+    weights = [(torch.randn(n) * 1e-4).bfloat16() for n in (300, 4096)]  # a step of lr 1e-5 shows in bfloat16
+    before = [w.clone() for w in weights]
+    run = probes.compact_device_step(weights, [torch.randn_like(w) for w in weights], "int8_m24")
+    run()
+    assert all((w != b).float().mean() > 0.9 for w, b in zip(weights, before))
+
+
 def test_a_probe_steps_what_the_model_has_within_bounds() -> None:
     from twinflow.plan.probes import MIN_PROBE_ELEMENTS, PROBE_ELEMENTS, probe_elements
 

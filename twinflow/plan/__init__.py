@@ -442,8 +442,12 @@ class IterationProbe:
             ),
             # on the CPU, on the same elements as the kernel: the two compete for the same work
             gpu_elements_per_s=device_adam_rate(
-                self.device, probe_n if on_cpu else min(elements, 1 << 22) or 1, dtype=dtype, tensors=tensors
-            ),
+                self.device,
+                probe_n if on_cpu else min(elements, 1 << 22) or 1,
+                dtype=dtype,
+                tensors=tensors,
+                state_precision=state_precision,
+            ),  # fmt: skip
             pcie_bytes_per_s=pcie_rate(self.device),
             host_bytes_per_element=host_bytes_per_element(  # weights first keeps a second staging set too
                 state_precision, grad_bytes / max(elements, 1), delayed or weights_first, speculative
