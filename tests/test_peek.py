@@ -179,3 +179,24 @@ def test_the_q8_peek_probe_writes_only_the_copies(simd: str, master: str) -> Non
                             simd=simd, peek=True, **m24)  # fmt: skip
     assert all(a.equal(b) for a, b in zip(q8_bits(s), before, strict=True))
     assert not any(o.isnan().any() for o in outs)
+
+
+@pytest.mark.parametrize("master", ["fp32", "m24"])
+def test_the_probes_refuse_a_tensor_outside_host_memory(master: str) -> None:
+    """The bandwidth probes refuse by name, before the op, a tensor that is not in host memory (the step's ops do;
+    a meta tensor reaches the op's fake kernel and a CUDA one crashed the kernel): nothing is written."""
+    s = q8_state(torch.Generator().manual_seed(17), master)
+    before = q8_bits(s)
+    params, m24 = compact.kernel_masters(s["masters"])
+    codes = [list(ts) for ts in zip(*s["q8"])]
+    codes[2][1] = codes[2][1].to("meta")
+    with pytest.raises(ValueError, match=r"exp_avg_sq_codes\[1\] is on meta"):
+        ops.bandwidth_probe_q8_(params, [torch.randn(n).bfloat16() for n in Q8_SIZES], *codes, **m24)
+    assert all(a.equal(b) for a, b in zip(q8_bits(s), before, strict=True))
+    fp32 = [torch.randn(n) for n in Q8_SIZES]
+    state = [fp32, [g.clone() for g in fp32], [g.clone() for g in fp32], [g.clone() for g in fp32]]
+    kept = [t.clone() for ts in state for t in ts]
+    state[3] = state[3][:2] + [state[3][2].to("meta")] + state[3][3:]
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[2\] is on meta"):
+        ops.bandwidth_probe_(*state)
+    assert all(a.equal(b) for a, b in zip([t for ts in state[:3] for t in ts], kept))

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
 SIMD_NAMES = {level: name for name, level in SIMD_LEVELS.items()}
+# the 8-bit ops' tensor arguments (checked to be in host memory before a call)
+Q8_TENSORS = "params grads exp_avg_codes exp_avg_scales exp_avg_sq_codes exp_avg_sq_scales out_copies master_lows"
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 """The directory holding the kernel's C++ sources (a source checkout's ``csrc/``); tests may point it elsewhere."""
@@ -352,6 +354,7 @@ def bandwidth_probe_(
     """
     if len(params) == 0:
         return
+    _on_the_host(locals(), "params grads exp_avgs exp_avg_sqs out_copies sources")
     load()
     torch.ops.twinflow.bandwidth_probe_(
         list(params),
@@ -449,9 +452,7 @@ def adam_step_q8_(
     """
     if len(params) == 0:
         return
-    _on_the_host(
-        locals(), "params grads exp_avg_codes exp_avg_scales exp_avg_sq_codes exp_avg_sq_scales out_copies master_lows"
-    )
+    _on_the_host(locals(), Q8_TENSORS)
     load()
     (torch.ops.twinflow.adam_peek_q8_ if peek else torch.ops.twinflow.adam_step_q8_)(
         list(params),
@@ -487,6 +488,7 @@ def bandwidth_probe_q8_(
     overwrites its arguments with meaningless values."""
     if len(params) == 0:
         return
+    _on_the_host(locals(), Q8_TENSORS)
     load()
     state = (exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales)
     torch.ops.twinflow.bandwidth_probe_q8_(
