@@ -243,3 +243,28 @@ def test_torch_threads_raises_the_count_for_the_block_and_puts_it_back() -> None
         assert torch.get_num_threads() == 1  # put back on an error too
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not node.per_thread_counts(), reason="torch's native pool keeps one count for the process")
+def test_a_worker_started_inside_another_threads_window_takes_the_count_from_outside_it() -> None:
+    """torch gives a thread the process-wide count of its first use for its life: a worker whose first call falls
+    inside the main thread's torch_threads window would keep the raised count (and read no torchrun share, so run
+    unpinned on the raised count). The worker settles the count first."""
+    outside = torch.get_num_threads()
+    seen = []
+    try:
+        with node.torch_threads(outside + 2):
+            bare = threading.Thread(target=lambda: seen.append(("bare", torch.get_num_threads())))
+            bare.start()
+            bare.join()
+            executor = CpuExecutor(torch.device("cpu"))
+            with executor.condition:
+                executor.submit(Job("chunk", 0, lambda: seen.append(("worker", torch.get_num_threads())), lambda: (0,)))
+                executor.wait_until(lambda: seen[-1][0] == "worker" and executor.running is None)
+            executor.close()
+            assert torch.get_num_threads() == outside + 2  # the window's own thread keeps its raised count
+    finally:
+        torch.set_num_threads(outside)
+    # the bare thread shows the hazard (torch's behaviour); the worker, which settles its count first, does not
+    assert seen == [("bare", outside + 2), ("worker", outside)]
+    assert torch.get_num_threads() == outside

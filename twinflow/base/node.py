@@ -10,8 +10,10 @@ same node; elsewhere an even slice of the CPUs this process may use. Local rank 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,15 +189,43 @@ def pin_this_thread(cpus: Sequence[int]) -> None:
                     format_cpulist(cpus), exc)  # fmt: skip
 
 
+_OUTSIDE: list[int] = []  # torch's thread count before each open torch_threads window that raised it, oldest first
+_WINDOWS = threading.Lock()
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
     """torch's intra-op threads raised to `threads` for the block (never lowered), then put back: a rank that
     torchrun gave one thread fills and copies its share of the host state with its share of the cores."""
     before = torch.get_num_threads()
-    if threads > before:
+    raised = threads > before
+    if raised:
+        with _WINDOWS:
+            _OUTSIDE.append(before)
         torch.set_num_threads(threads)
     try:
         yield
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
+        if raised:
+            with _WINDOWS:
+                _OUTSIDE.remove(before)
+
+
+def settle_torch_threads() -> None:
+    """The first call of a thread that no :func:`torch_threads` window covers (the CPU share's worker). torch
+    gives a thread the count that is set process-wide when the thread first uses it, for the thread's life: one
+    started inside another thread's window would keep the raised count (and the worker would neither see torchrun's
+    one thread nor pin itself to its share of the cores). Here it takes the count from outside every window."""
+    with _WINDOWS:
+        outside = _OUTSIDE[0] if _OUTSIDE else None
+    if outside is not None and per_thread_counts() and torch.get_num_threads() != outside:
+        torch.set_num_threads(outside)
+
+
+@functools.cache
+def per_thread_counts() -> bool:
+    """Whether torch keeps a thread count per thread (its OpenMP backend); its native pool has one for the
+    process, which a window raises for every thread alike."""
+    return "OpenMP" in torch.__config__.parallel_info()

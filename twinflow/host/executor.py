@@ -116,6 +116,7 @@ class CpuExecutor:
     def work(self) -> None:
         """The worker thread's loop. Where twinflow chose the kernel's cores and is to pin (ops.automatic_share),
         this thread is pinned to them first: the kernel's OpenMP threads, which it starts, inherit its mask."""
+        node.settle_torch_threads()  # before any other torch call: the count outside any window of another thread
         share = ops.automatic_share()
         if share is not None and share.pin:
             node.pin_this_thread(share.cpus)
