@@ -210,3 +210,29 @@ def test_build_state_dict_save_and_load_on_the_gpu_never_hold_a_float32_copy(tmp
     assert opt.chunk_bytes <= fp32_copy / 2
     for phase, value in peaks.items():
         assert value <= opt.chunk_bytes, (phase, peaks)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["int8", "int8_m24"])
+def test_the_host_codes_convert_on_the_gpu_with_the_cpus_bits(precision: str) -> None:
+    """A load's encoding and a state_dict's decoding of the CPU share's codes run on the GPU where the weights are:
+    the same codes, scales and float32 moments as the host's own conversion, bit for bit."""
+    from twinflow.host.host_state import HostState
+    from twinflow.host.staging import plan_pieces
+
+    n = 3 * (1 << 20) + 777  # several conversion batches, a partial block
+    segs = [Segment(0, 256, n, on_cpu=True)]
+    pieces = plan_pieces(segs, [2], 1 << 22, 256)
+    gen = torch.Generator().manual_seed(5)
+    values = {"master": torch.randn(n - 256, generator=gen),
+              "exp_avg": torch.randn(n - 256, generator=gen) * torch.logspace(-9, -1, n - 256),
+              "exp_avg_sq": torch.rand(n - 256, generator=gen) * torch.logspace(-14, -2, n - 256)}  # fmt: skip
+    states = [HostState(pieces, precision, torch.device(d)) for d in ("cpu", "cuda")]
+    for state in states:
+        state.write(0, values)
+    cpu, gpu = (state.codec.q8 for state in states)
+    assert all(torch.equal(a, b) for qa, qb in zip(cpu, gpu) for a, b in zip(qa, qb))
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = (state.read(0, key) for state in states)
+        assert a.device.type == b.device.type == "cpu" and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert not torch.equal(states[0].read(0, "exp_avg"), torch.zeros(n - 256))  # the moments are there

@@ -85,12 +85,16 @@ class Fp32Codec:
 
 
 class Int8Codec:
-    """8-bit moments, per piece (codes and block scales); float32 masters, or 24-bit ones (`master24`)."""
+    """8-bit moments, per piece (codes and block scales); float32 masters, or 24-bit ones (`master24`). The codes'
+    conversions to and from float32 (a load, a ``state_dict``, a new ratio) run a batch at a time on `convert_on`:
+    on a GPU where there is one (on an H200 machine 82 against 44 million elements a second for a load's encoding
+    with the host's 16 threads, benchmarks/host_codes_convert.py; more where torchrun leaves a rank fewer)."""
 
-    def __init__(self, total: int, pieces: list[Piece], master24: bool) -> None:
+    def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: torch.device) -> None:
         self.master = compact.Master24.empty(total) if master24 else torch.empty(total, dtype=torch.float32)
         self.masters = [self.master[pc.state_offset : pc.state_offset + pc.numel] for pc in pieces]
         self.q8 = [compact.fresh(pc.numel) for pc in pieces]
+        self.convert_on = convert_on
 
     @property
     def state_bytes(self) -> int:
@@ -110,7 +114,8 @@ class Int8Codec:
                     part = m.float() if isinstance(m, compact.Master24) else m
                 else:
                     q = self.q8[pc.id]
-                    part = decode(q[k][a:b], q[k + 1][a // compact.BLOCK : compact.blocks(b)])
+                    codes, scales = q[k][a:b], q[k + 1][a // compact.BLOCK : compact.blocks(b)]
+                    part = decode(codes.to(self.convert_on), scales.to(self.convert_on))
                 out[pc.start - lo + a : pc.start - lo + b].copy_(part)
 
     def read_all(self, pieces: list[Piece], key: str) -> torch.Tensor:
@@ -133,7 +138,8 @@ class Int8Codec:
                 continue
             at = pc.start - lo
             for a, b in compact.spans(pc.numel):  # a batch at a time: encoding's int64 scratch stays bounded
-                encoded = compact.encode(both[0][at + a : at + b], both[1][at + a : at + b])
+                moments = [x[at + a : at + b].to(self.convert_on, torch.float32) for x in both]
+                encoded = compact.encode(*moments)
                 blocks = slice(a // compact.BLOCK, compact.blocks(b))
                 torch._foreach_copy_([q[0][a:b], q[1][blocks], q[2][a:b], q[3][blocks]], list(encoded))
 
@@ -156,12 +162,16 @@ class HostState:
     :class:`twinflow.precision.state_owner.StateOwner`. Made with fresh (zero) moments and unset masters: write
     every parameter's masters before a step."""
 
-    def __init__(self, pieces: list[Piece], precision: StatePrecision | str) -> None:
+    def __init__(self, pieces: list[Piece], precision: StatePrecision | str,
+                 convert_on: torch.device | None = None) -> None:  # fmt: skip
         total = sum(pc.numel for pc in pieces)
         self.pieces = pieces
         self.precision = precision = precisions.of(precision)
+        convert_on = torch.device("cpu") if convert_on is None else convert_on
         self.codec = (
-            Int8Codec(total, pieces, precision.masters24) if precision.coded_moments else Fp32Codec(total, pieces)
+            Int8Codec(total, pieces, precision.masters24, convert_on)
+            if precision.coded_moments
+            else Fp32Codec(total, pieces)
         )
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
         self.pieces_of = by_param(pieces)

@@ -126,7 +126,8 @@ class SplitState(WholeParams):
         pieces = plan_pieces(cpu, [p.element_size() for p in self.locals], chunk_bytes, align)
         # the host state filled with this rank's share of the cores (torchrun leaves torch one thread a rank)
         with torch.no_grad(), node.torch_threads(ops.default_num_threads() if pieces else 1):
-            self.host = HostState(pieces, self.precision) if pieces else None
+            # the codes convert where the weights are: on the GPU, not in the host's threads
+            self.host = HostState(pieces, self.precision, self.locals[pieces[0].param].device) if pieces else None
             for seg in cpu if self.host is not None else []:  # the masters from the weights; the moments fresh
                 self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end]})
         with torch.no_grad():
