@@ -228,6 +228,7 @@ def test_the_host_codes_convert_on_the_gpu_with_the_cpus_bits(precision: str) ->
               "exp_avg": torch.randn(n - 256, generator=gen) * torch.logspace(-9, -1, n - 256),
               "exp_avg_sq": torch.rand(n - 256, generator=gen) * torch.logspace(-14, -2, n - 256)}  # fmt: skip
     states = [HostState(pieces, precision, torch.device(d)) for d in ("cpu", "cuda")]
+    assert [s.conversion_device.type for s in states] == ["cpu", "cuda"]
     for state in states:
         state.write(0, values)
     cpu, gpu = (state.codec.q8 for state in states)
@@ -236,3 +237,17 @@ def test_the_host_codes_convert_on_the_gpu_with_the_cpus_bits(precision: str) ->
         a, b = (state.read(0, key) for state in states)
         assert a.device.type == b.device.type == "cpu" and torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert not torch.equal(states[0].read(0, "exp_avg"), torch.zeros(n - 256))  # the moments are there
+
+
+def test_the_host_codes_convert_on_a_gpu_or_on_the_host() -> None:
+    """The CPU share's conversions go to a GPU only: another device (meta here; mps, xla) or none is the host."""
+    from twinflow.host.host_state import HostState
+    from twinflow.host.staging import plan_pieces
+
+    pieces = plan_pieces([Segment(0, 0, 512, on_cpu=True)], [2], 1 << 20, 256)
+    for device in (None, torch.device("meta"), torch.device("cpu")):
+        assert HostState(pieces, "int8_m24", device).conversion_device == torch.device("cpu")
+    state = HostState(pieces, "int8_m24", torch.device("cuda", 1))  # a GPU is kept as named, even unseen here
+    assert state.conversion_device == torch.device("cuda", 1)
+    state.convert_on(None)
+    assert state.conversion_device == torch.device("cpu")

@@ -173,9 +173,17 @@ def test_state_dict_opt_state_and_checkpoints_are_read_while_offloaded(
     model, opt = trained(ratio, precision, device=device)
     want = copy.deepcopy(opt.state_dict())
     save_checkpoint(tmp_path, "here", model=model, optimizer=opt)
+    host = opt.coordinator.split.host  # the CPU share's codes convert on the GPU, except while it is given away
+    assert host is None or host.conversion_device.type == device
     assert opt.offload_states(weights=weights) > 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0
     got = opt.state_dict()  # no reload: read where the state is
     assert opt.offload.offloaded
+    assert host is None or host.conversion_device.type == "cpu"
+    if device == "cuda":  # nothing of the read lands in the GPU's memory while it is offloaded
+        assert torch.cuda.max_memory_allocated() <= held + (1 << 20)
     for pid, entry in want["state"].items():
         for key, value in entry.items():
             assert got["state"][pid][key].cpu().equal(value.cpu()), (pid, key)
@@ -187,6 +195,7 @@ def test_state_dict_opt_state_and_checkpoints_are_read_while_offloaded(
     here, away = ((tmp_path / tag / "rank0.pt").stat().st_size for tag in ("here", "away"))
     assert away <= here * 1.05  # each tensor's own bytes, not the whole buffer its host view lies in
     opt.reload_states()
+    assert host is None or host.conversion_device.type == device
     for tag in ("here", "away"):  # both load into a fresh pair to the same model and state
         fresh = make(seed=7).to(device)
         fresh_opt = TwinFlowAdam(fresh.parameters(), lr=1e-2, ratio=ratio, state_precision=precision)

@@ -17,7 +17,7 @@ written set current. Readers see the first set: :meth:`settle` copies pieces bac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -86,11 +86,12 @@ class Fp32Codec:
 
 class Int8Codec:
     """8-bit moments, per piece (codes and block scales); float32 masters, or 24-bit ones (`master24`). The codes'
-    conversions to and from float32 (a load, a ``state_dict``, a new ratio) run a batch at a time on `convert_on`:
-    on a GPU where there is one (on an H200 machine 82 against 44 million elements a second for a load's encoding
-    with the host's 16 threads, benchmarks/host_codes_convert.py; more where torchrun leaves a rank fewer)."""
+    conversions to and from float32 (a load, a ``state_dict``, a new ratio) run a batch at a time on the device
+    `convert_on()` names when they start: a GPU where the weights are one (on an H200 machine 82 against 44 million
+    elements a second for a load's encoding with the host's 16 threads, benchmarks/host_codes_convert.py; more
+    where torchrun leaves a rank fewer), the host otherwise."""
 
-    def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: torch.device) -> None:
+    def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: Callable[[], torch.device]) -> None:
         self.master = compact.Master24.empty(total) if master24 else torch.empty(total, dtype=torch.float32)
         self.masters = [self.master[pc.state_offset : pc.state_offset + pc.numel] for pc in pieces]
         self.q8 = [compact.fresh(pc.numel) for pc in pieces]
@@ -106,7 +107,7 @@ class Int8Codec:
     def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int) -> None:
         """Decodes into `out` a batch at a time (its scratch bounded by compact.COPY_ELEMENTS, whatever the piece)."""
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
-        k = 0 if key == "exp_avg" else 2
+        k, device = (0 if key == "exp_avg" else 2), self.convert_on()
         for pc in pieces:
             for a, b in compact.spans(pc.numel):  # each a at a block's start: the scales slice cleanly
                 if key == "master":
@@ -115,7 +116,7 @@ class Int8Codec:
                 else:
                     q = self.q8[pc.id]
                     codes, scales = q[k][a:b], q[k + 1][a // compact.BLOCK : compact.blocks(b)]
-                    part = decode(codes.to(self.convert_on), scales.to(self.convert_on))
+                    part = decode(codes.to(device), scales.to(device))
                 out[pc.start - lo + a : pc.start - lo + b].copy_(part)
 
     def read_all(self, pieces: list[Piece], key: str) -> torch.Tensor:
@@ -130,6 +131,7 @@ class Int8Codec:
         if not any(key in values for key in MOMENTS):
             return
         both = [values[k] if k in values else self.read_all(pieces, k) for k in MOMENTS]  # encoded together
+        device = self.convert_on()
         for pc in pieces:
             q = self.q8[pc.id]
             if both[0] is None:
@@ -138,7 +140,7 @@ class Int8Codec:
                 continue
             at = pc.start - lo
             for a, b in compact.spans(pc.numel):  # a batch at a time: encoding's int64 scratch stays bounded
-                moments = [x[at + a : at + b].to(self.convert_on, torch.float32) for x in both]
+                moments = [x[at + a : at + b].to(device, torch.float32) for x in both]
                 encoded = compact.encode(*moments)
                 blocks = slice(a // compact.BLOCK, compact.blocks(b))
                 torch._foreach_copy_([q[0][a:b], q[1][blocks], q[2][a:b], q[3][blocks]], list(encoded))
@@ -167,15 +169,20 @@ class HostState:
         total = sum(pc.numel for pc in pieces)
         self.pieces = pieces
         self.precision = precision = precisions.of(precision)
-        convert_on = torch.device("cpu") if convert_on is None else convert_on
+        self.convert_on(convert_on)
         self.codec = (
-            Int8Codec(total, pieces, precision.masters24, convert_on)
+            Int8Codec(total, pieces, precision.masters24, lambda: self.conversion_device)
             if precision.coded_moments
             else Fp32Codec(total, pieces)
         )
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
         self.pieces_of = by_param(pieces)
         self.span = {i: (pcs[0].start, pcs[-1].end, pcs[0].state_offset) for i, pcs in self.pieces_of.items()}
+
+    def convert_on(self, device: torch.device | None) -> None:
+        """Where the codes' conversions run from now on: `device` if it is a GPU, else the host (``offload_states()``
+        gives the GPU's memory away: its conversions come back to the host until ``reload_states()``)."""
+        self.conversion_device = device if device is not None and device.type == "cuda" else torch.device("cpu")
 
     @property
     def state_bytes(self) -> int:

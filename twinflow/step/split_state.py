@@ -127,7 +127,7 @@ class SplitState(WholeParams):
         # the host state filled with this rank's share of the cores (torchrun leaves torch one thread a rank)
         with torch.no_grad(), node.torch_threads(ops.default_num_threads() if pieces else 1):
             # the codes convert where the weights are: on the GPU, not in the host's threads
-            self.host = HostState(pieces, self.precision, self.locals[pieces[0].param].device) if pieces else None
+            self.host = HostState(pieces, self.precision, self.device) if pieces else None
             for seg in cpu if self.host is not None else []:  # the masters from the weights; the moments fresh
                 self.host.write(seg.index, {"master": self.locals[seg.index].view(-1)[seg.start : seg.end]})
         with torch.no_grad():
@@ -155,6 +155,8 @@ class SplitState(WholeParams):
         """``offload_states()``: `mirror`, the device state over host views of the moved bytes, serves reads and
         in-place writes until :meth:`come_back`; ``opt.state`` takes its entries again (copies, not views)."""
         self.away, self.device_state = self.device_state, mirror
+        if self.host is not None:  # the GPU's memory is given away: the host codes convert on the host meanwhile
+            self.host.convert_on(None)
         self.generation += 1  # copies handed out before stay tracked: a write to one lands in the stand-in
 
     def come_back(self) -> None:
@@ -163,6 +165,8 @@ class SplitState(WholeParams):
         if self.away is None:
             return
         self.device_state, self.away = self.away, None
+        if self.host is not None:
+            self.host.convert_on(self.device)
         for i in range(len(self.params)):
             self.device_state.set_step(i, self.steps[i])
         self.generation += 1
