@@ -217,7 +217,9 @@ def settle_torch_threads() -> None:
     """The first call of a thread that no :func:`torch_threads` window covers (the CPU share's worker). torch
     gives a thread the count that is set process-wide when the thread first uses it, for the thread's life: one
     started inside another thread's window would keep the raised count (and the worker would neither see torchrun's
-    one thread nor pin itself to its share of the cores). Here it takes the count from outside every window."""
+    one thread nor pin itself to its share of the cores). Here it takes the count from outside every window. torch
+    sets that count process-wide too: a thread that first uses torch later inside the same window starts with it,
+    as it would have outside the window; the window's own thread keeps its raised count."""
     with _WINDOWS:
         outside = _OUTSIDE[0] if _OUTSIDE else None
     if outside is not None and per_thread_counts() and torch.get_num_threads() != outside:
