@@ -33,13 +33,14 @@ def _codes(n: int, gen: torch.Generator) -> list[torch.Tensor]:
     return [m, sm, v, sv]
 
 
-PAD = 4 * compact.BLOCK  # bytes past each code tensor's end, which no step may write
+PAD = 4 * compact.BLOCK  # bytes past each written tensor's end, which no step may write
 
 
 def _padded_clones(codes: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Copies of `codes`, each the head of a longer tensor whose tail is random: (the copies, (each tail, a copy
-    of it))."""
-    whole = [torch.cat([t, torch.randint(0, 100, (PAD,), dtype=torch.int16).to(t.dtype)]) for t in codes]
+    """Copies of `codes`, each the head of a longer tensor whose tail is PAD random bytes: (the copies, (each
+    tail, a copy of it))."""
+    whole = [torch.cat([t, torch.randint(0, 100, (PAD // t.element_size(),), dtype=torch.int16).to(t.dtype)])
+             for t in codes]  # fmt: skip
     tails = [w[t.numel() :] for w, t in zip(whole, codes)]
     return [w[: t.numel()] for w, t in zip(whole, codes)], [(t, t.clone()) for t in tails]
 
@@ -81,10 +82,10 @@ def residual_case(kernel, n: int, grad_dtype: torch.dtype, adamw: bool, scaled: 
     meta = torch.tensor([1 << 32 | 12345, compact.key(3)])  # an index past 32 bits: the hash takes its low 32
     outs = []
     for step in (compact_step.residual_step_, kernel.residual_step_):
-        w, r, (cs, tails) = weight.clone(), residual.clone(), _padded_clones(codes)
+        (w, r, *cs), tails = _padded_clones([weight, residual, *codes])
         step(w, r, grad.clone(), cs, c, scale, meta, l2)
         outs.append([w, r, *cs])
-        assert _tails_kept(tails), "a step wrote past the end of a code or scale tensor"
+        assert _tails_kept(tails), "a step wrote past the end of a weight, residual, code or scale tensor"
     assert not _same(outs[0][0], weight)  # the step moved the weights: a kernel that writes nothing differs
     skip = None if nan_bits else outs[0][0].isnan() | grad.isnan()
     assert nan_bits or not skip.all()
@@ -102,11 +103,14 @@ def master_case(kernel, out_dtype: torch.dtype | None, adamw: bool) -> list[str]
     c, meta, l2 = compact_step.constants(7, hyper), torch.tensor([4096, compact.key(7)]), compact_step.uses_l2(hyper)
     outs = []
     for step in (compact_step.master_step_, kernel.master_step_):
-        p, (cs, tails) = master.clone(), _padded_clones(codes)
         out = None if out_dtype is None else torch.full((n,), float("nan"), dtype=out_dtype)  # poisoned
+        (p, *cs), tails = _padded_clones([master, *codes])
+        if out is not None:
+            (out,), out_tail = _padded_clones([out])
+            tails += out_tail
         step(p, out, grad.clone(), cs, c, torch.tensor(1.0), meta, l2)
         outs.append([p, *cs] + ([] if out is None else [out]))
-        assert _tails_kept(tails), "a step wrote past the end of a code or scale tensor"
+        assert _tails_kept(tails), "a step wrote past the end of a master, weight, code or scale tensor"
     assert not outs[0][0].equal(master)
     names = ("master", *compact_step.CODE_KEYS, "weight")
     return [name for name, a, b in zip(names, *outs) if not _same(a, b)]
@@ -130,15 +134,26 @@ def cases() -> list[tuple[str, object]]:
     return out
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage `t` views, as a flat tensor of t's dtype (a padded clone's tail included)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+
+
 def _on_gpu(fn, args: tuple) -> None:  # noqa: ANN001
-    """`fn` on GPU copies of `args` (tensors, lists of tensors), its writes copied back into the CPU tensors."""
-    moved = [[t.cuda() for t in a] if isinstance(a, list) else a.cuda() if isinstance(a, torch.Tensor) else a
-             for a in args]  # fmt: skip
-    fn(*moved)
-    for a, m in zip(args, moved):
-        for cpu, gpu in zip(a if isinstance(a, list) else [a], m if isinstance(m, list) else [m]):
-            if isinstance(cpu, torch.Tensor):
-                cpu.copy_(gpu)
+    """`fn` on GPU copies of `args` (tensors, lists of tensors), each tensor's whole storage moved (a padded
+    clone's tail too), and copied back whole: a write past a tensor's end reaches the CPU tail."""
+    wholes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def move(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        whole = _whole(t)
+        wholes.append((whole, whole.cuda()))
+        return wholes[-1][1].as_strided(t.shape, t.stride(), t.storage_offset())
+
+    fn(*[[move(t) for t in a] if isinstance(a, list) else move(a) for a in args])
+    for cpu, gpu in wholes:
+        cpu.copy_(gpu)
 
 
 class _GpuKernel:
