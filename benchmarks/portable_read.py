@@ -5,7 +5,7 @@
 A stack of bf16 linear layers (2048 x 8192, 16.8M elements each) with TwinFlowAdam at ratio 0.5 takes a step and
 is saved with ``save_portable`` (a file a tensor); then ``dcp.load`` reads the whole checkpoint into new host
 tensors with ``torch.distributed.checkpoint.FileSystemReader`` and with
-:class:`twinflow.checkpoint.portable.MappedReader`, alternately, in one process (the files in the page cache after
+:class:`twinflow.checkpoint.portable_load.MappedReader`, alternately, in one process (the files in the page cache after
 the first read), at each torch thread count given (torchrun leaves a rank one). Every tensor read is compared bit
 for bit with the first read's. Writes JSON (--out, else $OUT, else benchmarks/results/): seconds per read.
 """
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, write_json  # noqa: E402
 from twinflow import TwinFlowAdam  # noqa: E402
-from twinflow.checkpoint import portable  # noqa: E402
+from twinflow.checkpoint import portable, portable_load  # noqa: E402
 
 
 def saved(folder: Path, layers: int, precision: str) -> int:
@@ -60,7 +60,7 @@ def leaves(tree: dict) -> list[torch.Tensor]:
 
 def read(folder: Path, reader: str) -> tuple[float, list[torch.Tensor]]:
     tree = targets(folder)
-    storage = portable.MappedReader(folder) if reader == "mapped" else portable.dcp.FileSystemReader(folder)
+    storage = portable_load.MappedReader(folder) if reader == "mapped" else portable.dcp.FileSystemReader(folder)
     start = time.perf_counter()
     portable.dcp.load(tree, checkpoint_id=folder, storage_reader=storage)
     return time.perf_counter() - start, leaves(tree)

@@ -4,6 +4,7 @@ checkpoint), on the CPU with gloo: the resumed run's losses against the saving r
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import CheckpointError, portable
+from twinflow.checkpoint import CheckpointError, portable, portable_load, portable_sums
 from twinflow.precision import compact
 
 WORKER = Path(__file__).with_name("portable_worker.py")
@@ -105,18 +106,105 @@ def _train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int = 2) -> None:
         opt.zero_grad()
 
 
-def test_a_damaged_piece_is_refused_naming_the_tag_and_nothing_changes(tmp_path) -> None:
+def _refused_and_nothing_changed(directory: Path, match: str) -> None:
+    other, other_opt = _single(1)
+    _train(other, other_opt, 1)  # built: the load that reads the state a batch at a time
+    before = [p.detach().clone() for p in other.parameters()]
+    state = other_opt.state_dict()["state"]
+    with pytest.raises(CheckpointError, match=match):
+        portable_load.load_portable(directory, model=other, optimizer=other_opt)
+    assert all(p.detach().equal(b) for p, b in zip(other.parameters(), before))
+    after = other_opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, entry in state.items() for k, v in entry.items())
+
+
+def test_a_truncated_piece_is_refused_naming_the_file_and_nothing_changes(tmp_path) -> None:
+    model, opt = _single(0)
+    _train(model, opt)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    piece = max(folder.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    piece.write_bytes(piece.read_bytes()[: piece.stat().st_size // 2])
+    _refused_and_nothing_changed(tmp_path / "ckpt", rf"{piece.name} has \d+ bytes; .*truncated.*nothing was changed")
+
+
+def test_a_damaged_byte_is_refused_naming_the_file_and_nothing_changes(tmp_path) -> None:
+    """A byte changed in the middle of a piece (its size unchanged) used to load silently: the load checks every
+    file it reads against the CRC-32 the save wrote."""
+    model, opt = _single(0)
+    _train(model, opt)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    piece = max(folder.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(piece.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    piece.write_bytes(bytes(data))
+    _refused_and_nothing_changed(tmp_path / "ckpt", rf"{piece.name} differs from what the save wrote.*CRC-32")
+
+
+def test_a_missing_piece_or_sums_file_is_refused_and_nothing_changes(tmp_path) -> None:
     model, opt = _single(0)
     _train(model, opt)
     folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     piece = next(folder.glob("*.distcp"))
-    piece.write_bytes(piece.read_bytes()[: piece.stat().st_size // 2])  # truncated
+    kept = piece.read_bytes()
+    piece.unlink()
+    _refused_and_nothing_changed(tmp_path / "ckpt", rf"{piece.name} is missing; nothing was changed")
+    piece.write_bytes(kept)
+    next(folder.glob(f"{portable_sums.SUMS}.*")).unlink()
+    _refused_and_nothing_changed(tmp_path / "ckpt", r"sums.0.json cannot be read.*nothing was changed")
+
+
+def test_a_portable_checkpoint_saved_before_checksums_still_loads(tmp_path) -> None:
+    model, opt = _single(0)
+    _train(model, opt)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    info = torch.load(folder / portable.INFO, weights_only=True)
+    del info["sums"]
+    torch.save(info, folder / portable.INFO)
+    for sums in folder.glob(f"{portable_sums.SUMS}.*"):
+        sums.unlink()
     other, other_opt = _single(1)
-    before = [p.detach().clone() for p in other.parameters()]
-    with pytest.raises(CheckpointError, match=r"checkpoint 't' in .*ckpt/t cannot be read.*nothing was changed"):
-        portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
-    assert all(p.detach().equal(b) for p, b in zip(other.parameters(), before))
-    assert not other_opt.state_dict()["state"]
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def _state_reads(monkeypatch) -> list[int]:  # noqa: ANN001
+    """The elements of optimizer state each of the load's reads asks for (filled as it reads), with batches of
+    4 x 300 elements: the biases' batch, each 300 x 300 weight's state alone."""
+    reads: list[int] = []
+    read_data = portable_load.MappedReader.read_data
+
+    def counted(self, plan, planner):  # noqa: ANN001, ANN202
+        reads.append(sum(math.prod(item.lengths) for item in plan.items if item.dest_index.fqn.startswith("optim.")))
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(portable_load.MappedReader, "read_data", counted)
+    monkeypatch.setattr(portable_load, "CHUNK", 4 * 300)
+    return reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_a_load_reads_the_state_a_batch_at_a_time_into_the_same_state(tmp_path, monkeypatch, precision: str) -> None:
+    """A built TwinFlowAdam takes its state from the checkpoint CHUNK elements at a time: no read of the state
+    asks for more than a batch (or one parameter's state, where that is larger), and the state that results is the
+    one saved (bit for bit: the same blocks)."""
+    model, opt = _single(0)
+    opt.state_precision = precision
+    _train(model, opt, 3)
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    other, other_opt = _single(1)
+    other_opt.state_precision = precision
+    _train(other, other_opt, 1)
+    reads = _state_reads(monkeypatch)  # the biases' batch; each 300 x 300 weight alone
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    largest = 3 * 300 * 300  # a weight's two moments and master
+    assert len([r for r in reads if r]) >= 3
+    assert max(reads) <= largest
+    saved, loaded = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(loaded[i][k], v) for i, entry in saved.items() for k, v in entry.items())
+    assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
+    _train(model, opt)
+    _train(other, other_opt)
+    assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
 
 
 def test_a_killed_save_leaves_the_previous_tag_and_the_next_save_cleans_up(tmp_path) -> None:
@@ -128,7 +216,7 @@ def test_a_killed_save_leaves_the_previous_tag_and_the_next_save_cleans_up(tmp_p
     left.mkdir()
     (left / "__0_0.distcp").write_bytes(b"half")
     other, other_opt = _single(1)
-    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)  # latest: still "a"
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)  # latest: still "a"
     assert all(p.detach().equal(e) for p, e in zip(other.parameters(), expected))
     _train(model, opt, 1)
     portable.save_portable(tmp_path / "ckpt", "c", model=model, optimizer=opt)
@@ -151,7 +239,7 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path) -> None
     folder = pending.wait()
     assert folder == tmp_path / "ckpt" / "a" and (tmp_path / "ckpt" / "latest").read_text() == "a"
     other, other_opt = _single(1)
-    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
     _train(other, other_opt, 1)
     _train(reference, reference_opt, 1)
@@ -177,7 +265,7 @@ def test_an_asynchronous_save_after_the_process_group_was_made_again(tmp_path) -
             dist.destroy_process_group()
     for tag in ("t0", "t1"):
         other, other_opt = _single(1)
-        portable.load_portable(tmp_path / "ckpt", tag, model=other, optimizer=other_opt)
+        portable_load.load_portable(tmp_path / "ckpt", tag, model=other, optimizer=other_opt)
         assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))
 
 
@@ -203,7 +291,7 @@ def test_a_tag_saved_again_replaces_it_and_a_death_between_the_renames_keeps_it_
     folder = tmp_path / "ckpt" / "a"
     folder.rename(folder.with_name("a" + portable.OLD))  # as a process killed between the two renames leaves it
     other, other_opt = _single(1)
-    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert all(p.detach().equal(e) for p, e in zip(other.parameters(), expected))
 
 
@@ -217,23 +305,31 @@ def test_a_resume_in_another_precision(tmp_path) -> None:
     assert again["after"] != first["after"]  # not the same run: the precision changed
 
 
-SAVE_MEMORY = r"""
+MEMORY_PRELUDE = r"""
 import json, sys, torch
 from pathlib import Path
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import portable
+from twinflow.checkpoint import portable, portable_load
 
 def size(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
-torch.manual_seed(0)
-shapes = [(1024, 4096), (4096, 1024)] * 4
-model = torch.nn.Sequential(*(torch.nn.Linear(*s, bias=False) for s in shapes)).to(torch.bfloat16)
-opt = TwinFlowAdam(model.parameters(), ratio=0.6, state_precision="int8_m24")
-model(torch.randn(2, 1024, dtype=torch.bfloat16)).float().square().mean().backward()
-opt.step()
-opt.zero_grad()
+def built(seed):
+    torch.manual_seed(seed)
+    shapes = [(1024, 4096), (4096, 1024)] * 4
+    model = torch.nn.Sequential(*(torch.nn.Linear(*s, bias=False) for s in shapes)).to(torch.bfloat16)
+    opt = TwinFlowAdam(model.parameters(), ratio=0.6, state_precision="int8_m24")
+    model(torch.randn(2, 1024, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+"""
+
+SAVE_MEMORY = (
+    MEMORY_PRELUDE
+    + r"""
+model, opt = built(0)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak (VmHWM) starts again from the current resident size
 before = size("VmRSS")
@@ -241,6 +337,21 @@ portable.save_portable(Path(sys.argv[1]), "t", model=model, optimizer=opt)
 print(json.dumps({"peak": size("VmHWM") - before, "kept": size("VmRSS") - before,
                   "elements": sum(p.numel() for p in model.parameters()), "largest": 1024 * 4096}))
 """
+)
+
+
+def _measured(script: str, ckpt: Path) -> dict:
+    """`script`'s JSON, run in a fresh process whose allocator gives blocks of 64 KiB or more back to the system
+    when they are freed (skipped where Linux's /proc/self/clear_refs cannot restart the peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("needs Linux's /proc/self/clear_refs to measure a peak")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(WORKER.parent.parent)}
+    run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def test_a_portable_save_of_compact_state_decodes_a_tensor_at_a_time_and_keeps_nothing(tmp_path) -> None:
@@ -249,22 +360,68 @@ def test_a_portable_save_of_compact_state_decodes_a_tensor_at_a_time_and_keeps_n
     DCP's one file per rank held until the end and opt.state kept after the save, until it was next read.
     Resident memory measured in a fresh process whose allocator gives blocks of 64 KiB or more back to the system
     when they are freed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pytest.skip("needs Linux's /proc/self/clear_refs to measure a peak")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(WORKER.parent.parent)}
-    run = subprocess.run([sys.executable, "-c", SAVE_MEMORY, str(tmp_path / "ckpt")], env=env, capture_output=True,
-                         text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.splitlines()[-1])
+    result = _measured(SAVE_MEMORY, tmp_path / "ckpt")
     decoded = 12 * result["elements"]  # the state in float32: masters and both moments (403 MB)
     # one tensor in float32 as it is decoded and as it is written, and the decoding's fixed scratch
     bound = 3 * 4 * result["largest"] + 48 * compact.COPY_ELEMENTS + (16 << 20)
     assert bound < decoded // 3
     assert result["peak"] <= bound, result
     assert result["kept"] < 4 * result["largest"], result
+
+
+def test_under_an_auto_ratio_the_state_is_read_when_the_first_step_builds_it(tmp_path, monkeypatch) -> None:
+    """ratio="auto" builds the state at the first step: the load checks everything and reads the weights then, and
+    the state only when that step builds it, a batch at a time; the run goes on as the saved one."""
+    model, opt = _single(0)
+    _train(model, opt, 3)
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
+    other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio="auto")
+    reads = _state_reads(monkeypatch)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert not any(reads)  # the weights only: no state read before the build
+    assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
+    _train(model, opt)
+    _train(other, other_opt)
+    assert len([r for r in reads if r]) >= 3 and max(reads) <= 3 * 300 * 300
+    for a, b in zip(model.parameters(), other.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert other_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"] == 5
+
+
+LOAD_MEMORY = (
+    MEMORY_PRELUDE
+    + r"""
+model, opt = built(0)
+portable.save_portable(Path(sys.argv[1]), "t", model=model, optimizer=opt)
+saved = opt.state_dict()["state"]
+model, opt = built(1)
+portable_load.CHUNK = 1 << 22  # a batch: one weight's state
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the current resident size
+before = size("VmRSS")
+portable_load.load_portable(Path(sys.argv[1]), model=model, optimizer=opt)
+peak = size("VmHWM") - before
+same = all(torch.equal(opt.state_dict()["state"][i][k], v) for i, e in saved.items() for k, v in e.items())
+print(json.dumps({"peak": peak, "same": same, "elements": sum(p.numel() for p in model.parameters()),
+                  "largest": 1024 * 4096}))
+"""
+)
+
+
+def test_a_load_of_compact_state_holds_one_batch_in_float32_not_the_state(tmp_path) -> None:
+    """The load used to read the rank's whole state in float32 (12 bytes a parameter), DCP's buffers of the
+    weights and a copy of them to put back (17-18 bytes a parameter in all, measured). A built TwinFlowAdam now
+    takes it a batch at a time: the peak follows one batch (here one weight's state), not the model. Resident
+    memory in a fresh process, as for the save."""
+    result = _measured(LOAD_MEMORY, tmp_path / "ckpt")
+    assert result["same"]
+    decoded = 12 * result["elements"]  # the state in float32: masters and both moments (403 MB)
+    # a weight's state in float32, its file mapped as it is copied, the encoding's fixed scratch
+    bound = 3 * 4 * result["largest"] + 4 * result["largest"] + 48 * compact.COPY_ELEMENTS + (16 << 20)
+    assert bound < decoded // 2
+    assert result["peak"] <= bound, result
 
 
 def test_an_edit_to_a_copy_opt_state_handed_out_is_saved() -> None:
@@ -280,7 +437,7 @@ def test_an_edit_to_a_copy_opt_state_handed_out_is_saved() -> None:
         portable.save_portable(Path(tmp), "t", model=model, optimizer=opt)
         other, other_opt = _single(1)
         other_opt.state_precision = "int8_m24"
-        portable.load_portable(Path(tmp), model=other, optimizer=other_opt)
+        portable_load.load_portable(Path(tmp), model=other, optimizer=other_opt)
     loaded = other_opt.state_dict()["state"]
     assert loaded[0]["exp_avg"].abs().max() == 0
     assert loaded[2]["exp_avg"].abs().max() > 0  # the others kept theirs
@@ -295,6 +452,6 @@ def test_a_tensor_of_the_users_own_beside_a_parameters_state_is_saved_and_comes_
     opt.state[weight]["ema"] = ema.clone()
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     other, other_opt = _single(1)
-    portable.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert torch.equal(other_opt.state[other[0].weight]["ema"], ema)
     assert "ema" not in other_opt.state[other[2].weight]

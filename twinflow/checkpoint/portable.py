@@ -8,6 +8,7 @@ Layout of ``save_portable(directory, tag, ...)``::
       <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor (an asynchronous save: one file a rank)
       <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
                                the scheduler, the caller's extra state and meta, the saving world's size
+      <tag>/twinflow.sums.<r>.json  rank r's share of the files' sizes and CRC-32s
 
 Every tensor is saved as the logical tensor it is a piece of, named by the parameter's name in the model: the
 model's weights as ``model.state_dict()`` gives them (FSDP2: DTensors), the optimizer's state of a parameter
@@ -19,23 +20,21 @@ and in any ``state_precision`` (the optimizer's own ``load_state_dict`` places t
 - **fp32 state is exact.** Compact state is saved decoded (float32) and encoded again at the load, to the nearest
   code: a block whose elements are the same block after the load (the same parameter cut on a multiple of 256
   elements) gets its codes and scale back bit for bit; a block cut otherwise is re-encoded, and its stochastic
-  rounding's noise follows the elements' new indices. The load says so once.
+  rounding's noise follows the elements' new indices.
 - **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
   previous tags loadable, and the next save removes what it left.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
   each to a file of its own (:class:`_Deferred`): the peak follows the largest tensor, not the model. An
-  asynchronous save copies the state to host memory first; the load reads the rank's state in float32 before it
-  changes anything.
-- **Nothing changes on a failed load.** The pieces are read into new host tensors; the model, the optimizer and the
-  scheduler are changed only once everything has been read, and a piece DCP cannot read (a damaged or missing
-  file) is refused naming the tag folder.
+  asynchronous save copies the state to host memory first.
+- **Checksums.** Each rank sums its share of the written files (:mod:`.portable_sums`) before the tag is put in
+  place; the load (:mod:`.portable_load`) checks everything it will read before it changes anything, and then
+  reads the state a batch at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import concurrent.futures
 import shutil
 import time
 from pathlib import Path
@@ -47,18 +46,16 @@ import torch.distributed as dist
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
+from twinflow.checkpoint.portable_sums import write_sums
 from twinflow.version import __version__
 
 try:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.tensor import DTensor
-
-    FileSystemReader = dcp.FileSystemReader
 except ImportError:  # pragma: no cover (torch >= 2.4 has them)
-    dcp = DTensor = LoadItemType = None
-    DefaultSavePlanner = FileSystemReader = object
+    dcp = DTensor = None
+    DefaultSavePlanner = object
 
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
@@ -82,7 +79,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _names(model: torch.nn.Module) -> dict[int, str]:
+def names_of(model: torch.nn.Module) -> dict[int, str]:
     """Each parameter's name in the model, by the parameter's identity."""
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
 
@@ -104,7 +101,7 @@ def _host_state_tensor(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
 
 
-def _placeholder(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def planned_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A logical tensor of `p`'s shape in `dtype` over no memory (one element, expanded), made where `p` is: a DTensor
     over a GPU mesh moves a host piece to its GPU, densely."""
     return _logical(p, torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape))
@@ -126,7 +123,7 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     owner = getattr(optimizer, "state_owner", None)
     if owner is not None and owner.built:
         return _owner_tensors(model, optimizer, owner)
-    names, out = _names(model), {}
+    names, out = names_of(model), {}
     state = optimizer.state_dict()["state"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in state.items():
@@ -145,7 +142,7 @@ class _Deferred:
 
     def __init__(self, p: torch.Tensor, owner: Any, i: int, key: str) -> None:
         self.p, self.owner, self.i, self.key = p, owner, i, key
-        self.placeholder = _placeholder(p, torch.float32)
+        self.placeholder = planned_tensor(p, torch.float32)
 
     def local(self) -> torch.Tensor:
         """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
@@ -154,7 +151,7 @@ class _Deferred:
     def logical(self) -> torch.Tensor:
         """The logical tensor, its piece in host memory (an asynchronous save's copy)."""
         if DTensor is not None and isinstance(self.p, DTensor):
-            out = _host_dtensor(self.p, torch.float32)
+            out = host_dtensor(self.p, torch.float32)
             local(out).copy_(self.local())
             return out
         return _logical(self.p, self.local())
@@ -166,7 +163,7 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
     owner.check_settled()  # no step half done
     owner.settle_state()
     owner.absorb_edits()  # in-place writes to the copies opt.state handed out
-    names, out = _names(model), {}
+    names, out = names_of(model), {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # keys of the user's own beside a parameter's state (opt.state's extras, read without syncing it) are saved too
     extras, _ = optimizer.state_extras()
@@ -216,7 +213,7 @@ class _ReadWhenWritten(DefaultSavePlanner):
 
 def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The param groups' hyper-parameters, each with its parameters' names (every rank's, under ZeRO-1)."""
-    names = _names(model)
+    names = names_of(model)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]  # fmt: skip
     group_of = _gathered({name: i for i, g in enumerate(groups) for name in g["params"]})
@@ -258,6 +255,19 @@ class PendingSave:
 
 
 _pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
+_summer: list[concurrent.futures.ThreadPoolExecutor] = []  # the thread that sums what those saves wrote
+
+
+def _summing() -> concurrent.futures.ThreadPoolExecutor:
+    if not _summer:
+        _summer.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="twinflow-sums"))
+    return _summer[0]
+
+
+def _then_sums(written: Any, saving: Path, rank: int, world: int) -> None:
+    """Once DCP's background write has ended (its metadata landed), this rank's share of the files is summed."""
+    written.result()
+    write_sums(saving, rank, world)
 
 
 def wait_pending() -> Path | None:
@@ -349,18 +359,20 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": extra, "meta": meta}  # fmt: skip
+                "extra": extra, "meta": meta, "sums": True}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
                                 async_stager=_AlreadyStaged())  # fmt: skip
-        _pending.append(PendingSave(future, saving, final, start))
+        summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
+        _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]
     # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
     planned = _with(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
     dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=_ReadWhenWritten(_deferred(state)))
+    write_sums(saving, rank, world)  # this rank's share of the files, once DCP's metadata names them all
     _barrier()
     if rank == 0:
         _put_in_place(saving, final)
@@ -375,125 +387,13 @@ def latest_tag(directory: Path) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
-def _tag_of(directory: Path, tag: str | None) -> str:
+def tag_of(directory: Path, tag: str | None) -> str:
     tag = tag if tag is not None else latest_tag(directory)
     if tag is None:
         raise CheckpointError(f"no 'latest' in {directory}: name a tag, or save a checkpoint there first")
     return tag
 
 
-def _host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty host tensor of `t`'s shape (and `dtype`, else t's) DCP reads `t`'s pieces into: a DTensor with `t`'s
-    placements where `t` is one, its piece in host memory (DTensor.from_local would move a host piece to the mesh's
-    GPU; the copy of a placeholder over no memory to the host is made there)."""
-    dtype = dtype or t.dtype
-    if DTensor is not None and isinstance(t, DTensor):
-        return _host_dtensor(t, dtype)
-    return torch.empty(t.shape, dtype=dtype)
-
-
-def _host_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def host_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new DTensor of DTensor `p`'s shape and placements in `dtype`, its piece in host memory (uninitialised)."""
-    return _placeholder(p, dtype).to("cpu", copy=True)
-
-
-class MappedReader(FileSystemReader):
-    """DCP's file reader, except that a tensor alone in its file (the synchronous save's layout: a file a tensor) is
-    mapped (``torch.load(mmap=True)``) and copied from the page cache into its target once; DCP's own reader reads
-    each piece into a new tensor first, then copies it (1.7x the time of this at one thread, 268M parameters). Any
-    other piece (an asynchronous save's file of many, a file of another size than DCP's index says: damaged) and a
-    file that cannot be mapped go to DCP's reader, which reads or refuses them as before."""
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        rest = [item for item in plan.items if not self._mapped(item, planner)]
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
-
-    def _mapped(self, item: Any, planner: Any) -> bool:
-        info = self.storage_data[item.storage_index]
-        path = os.path.join(self.path, info.relative_path)
-        if item.type != LoadItemType.TENSOR or info.offset != 0 or getattr(info, "transform_descriptors", None):
-            return False
-        try:
-            if os.path.getsize(path) != info.length:
-                return False
-            tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # noqa: BLE001 (DCP's reader reads it, or names what is wrong)
-            return False
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-            tensor = tensor.narrow(dim, start, length)  # the piece this rank's target takes, as DCP narrows it
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            return False
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
-        return True
-
-
-def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, scheduler: Any = None) -> tuple[Any, Any]:  # fmt: skip
-    """Loads a portable checkpoint saved by any number of ranks into this run (every rank calls it); returns the
-    saved (extra, meta with the tag). Nothing changes unless everything was read."""
-    start = time.perf_counter()
-    directory = Path(directory)
-    tag = _tag_of(directory, tag)
-    folder = directory / tag
-    if not folder.exists() and is_portable(directory / (tag + OLD)):  # died between a re-save's two renames
-        folder = directory / (tag + OLD)
-    if not is_portable(folder):
-        raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata): "
-                              "load another tag, or save it again")  # fmt: skip
-    info = torch.load(folder / INFO, weights_only=True)
-    names = _names(model)
-    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
-    saved_groups = info["param_groups"]
-    saved_names = {name for g in saved_groups for name in g["params"]}
-    missing = sorted(set(by_name) - (saved_names & set(info["state_keys"])))
-    if missing:
-        raise CheckpointError(f"checkpoint {tag!r} has no optimizer state for {missing[:3]} (of {len(missing)}): "
-                              "the model differs from the saved one")  # fmt: skip
-    model_now = model.state_dict()
-    target = {MODEL: {k: _host_target(v) for k, v in model_now.items()}, OPTIM: {}}
-    for name, p in by_name.items():
-        target[OPTIM][name] = {k: torch.zeros(()) if k == "step" else _host_target(p.detach(), torch.float32)
-                               for k in info["state_keys"][name]}  # fmt: skip
-    try:
-        dcp.load(target, checkpoint_id=folder, storage_reader=MappedReader(folder))
-    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException, kept in the message)
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = lines[-1][:300] if lines else type(exc).__name__
-        raise CheckpointError(f"checkpoint {tag!r} in {folder} cannot be read ({reason}); nothing was changed: "
-                              "load another tag, or save it again") from exc  # fmt: skip
-    # everything read: the state as the optimizer's load_state_dict takes it
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    group_of = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for index, p in enumerate(params):
-        entry = target[OPTIM][names[id(p)]]
-        state[index] = {k: v if v.dim() == 0 and p.dim() != 0 else local(v).reshape(local(p).shape)
-                        for k, v in entry.items()}  # fmt: skip
-    index_of, groups = {id(p): i for i, p in enumerate(params)}, []
-    for g in optimizer.param_groups:
-        saved = saved_groups[group_of[names[id(g["params"][0])]]] if g["params"] else {}
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": [index_of[id(p)] for p in g["params"]]})  # fmt: skip
-    # the weights first (a CPU share's masters are taken from them where the state has none), then the optimizer,
-    # whose load_state_dict checks everything before it changes anything: if it refuses, the weights go back
-    before = {key: local(now).detach().to("cpu", copy=True) for key, now in model_now.items()}
-    with torch.no_grad():
-        for key, now in model_now.items():
-            local(now).copy_(local(target[MODEL][key]))
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except Exception as exc:
-        with torch.no_grad():
-            for key, now in model_now.items():
-                local(now).copy_(before[key])
-        raise CheckpointError(
-            f"checkpoint {tag!r}: the optimizer refused its state ({exc}); nothing was changed"
-        ) from exc
-    if scheduler is not None and info["scheduler"] is not None:
-        scheduler.load_state_dict(info["scheduler"])
-    rank, world = rank_and_world()
-    moved = f" (saved by {info['world_size']} ranks)" if info["world_size"] != world else ""
-    notice("loaded portable checkpoint %s%s in %.1f s", folder, moved, time.perf_counter() - start)
-    return info["extra"], {**(info["meta"] or {}), "tag": tag}
+    return planned_tensor(p, dtype).to("cpu", copy=True)

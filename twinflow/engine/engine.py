@@ -45,6 +45,7 @@ from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable as portable_checkpoint
 from twinflow.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from twinflow.checkpoint.portable_load import load_portable
 from twinflow.engine.config import Config, ConfigError, load_config
 from twinflow.engine.schedulers import build_scheduler
 from twinflow.optim import offload_states
@@ -314,7 +315,7 @@ class Engine:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
         self.wait_checkpoint()
-        load = portable_checkpoint.load_portable if portable_checkpoint.holds(Path(load_dir), tag) else load_checkpoint
+        load = load_portable if portable_checkpoint.holds(Path(load_dir), tag) else load_checkpoint
         extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                            scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr

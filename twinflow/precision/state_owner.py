@@ -117,6 +117,11 @@ class OptimizerState(StateOwner, Protocol):
         """In-place writes to the copies ``opt.state`` handed out reach the state (before it is read whole)."""
         ...
 
+    def put(self, i: int, entry: dict[str, torch.Tensor] | None) -> None:
+        """Sets parameter i's state from `entry` in torch.optim's layout (``step``, ``exp_avg``, ``exp_avg_sq``,
+        ``master`` where kept; None: fresh), as a load does; a master written also sets the weight."""
+        ...
+
     def loaded_raw(self, steps: dict[int, int]) -> None:
         """After the raw state of the parameters `steps` names was written: their step counts; others start
         afresh."""

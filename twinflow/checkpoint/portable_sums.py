@@ -1,0 +1,94 @@
+"""Checksums of a portable checkpoint's files (:mod:`twinflow.checkpoint.portable`).
+
+Once DCP has written every rank's pieces and its ``.metadata``, each rank sums a share of the files the metadata
+names (CRC-32 and size, every ``world``-th file from its rank on) into ``twinflow.sums.<rank>.json`` beside them,
+before the tag is put in place. A load checks every file it is about to read against them before it changes
+anything: a damaged byte, a truncated or missing file is refused, naming the file. A tag saved before checksums
+existed (its ``twinflow.pt`` says none were written) is checked for sizes only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import zlib
+from pathlib import Path
+
+from twinflow.checkpoint.checkpoint_files import CheckpointError, write_atomic
+
+SUMS = "twinflow.sums"
+READ = 64 << 20  # bytes read at a time: a sum holds no more than this
+THREADS = max(1, min(8, os.cpu_count() or 1))  # files summed at once (zlib and the reads let go of the interpreter)
+
+
+def file_sum(path: Path) -> int:
+    """The CRC-32 of the file at `path`, read `READ` bytes at a time (zlib releases the interpreter meanwhile)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(READ):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def file_sums(paths: list[Path]) -> list[int]:
+    """The CRC-32 of each file of `paths`, ``THREADS`` files at a time."""
+    if len(paths) <= 1:
+        return [file_sum(path) for path in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(THREADS, len(paths)), thread_name_prefix="twinflow-sum") as pool:
+        return list(pool.map(file_sum, paths))
+
+
+def written_files(folder: Path) -> list[str]:
+    """The files DCP's metadata in `folder` names (relative paths, sorted)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(folder).read_metadata()
+    return sorted({info.relative_path for info in metadata.storage_data.values()})
+
+
+def write_sums(folder: Path, rank: int, world: int) -> None:
+    """Rank `rank` of `world` sums its share of the files in `folder` into ``twinflow.sums.<rank>.json``."""
+    mine = written_files(folder)[rank::world]
+    crcs = file_sums([folder / name for name in mine])
+    sums = {name: [(folder / name).stat().st_size, crc] for name, crc in zip(mine, crcs, strict=True)}
+    write_atomic(folder / f"{SUMS}.{rank}.json", lambda f: f.write(json.dumps(sums).encode()))
+
+
+def read_sums(folder: Path, world: int) -> dict[str, list[int]]:
+    """Every file's [size, CRC-32], from the `world` sums files of a save by `world` ranks; one missing or
+    unreadable is refused, naming it."""
+    sums: dict[str, list[int]] = {}
+    for rank in range(world):
+        path = folder / f"{SUMS}.{rank}.json"
+        try:
+            sums.update(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} cannot be read ({exc}): the checkpoint is incomplete or damaged; "
+                                  "nothing was changed: load another tag, or save it again") from exc  # fmt: skip
+    return sums
+
+
+def check_files(folder: Path, needed: dict[str, int], sums: dict[str, list[int]] | None) -> None:
+    """Refuses, naming the file, unless each file of `needed` (relative path -> the bytes a read needs from its
+    start) is there and long enough, and, with `sums`, has the size and the CRC-32 the save wrote."""
+    names = sorted(needed)
+    sizes = {name: (folder / name).stat().st_size if (folder / name).is_file() else None for name in names}
+    for name in names:
+        size, why = sizes[name], None
+        if size is None:
+            why = "is missing"
+        elif size < needed[name]:
+            why = f"has {size} bytes; its pieces need {needed[name]} (truncated)"
+        elif sums is not None and name not in sums:
+            why = "has no checksum in the save's sums files"
+        elif sums is not None and size != sums[name][0]:
+            why = f"has {size} bytes; the save wrote {sums[name][0]}"
+        if why is not None:
+            raise CheckpointError(f"{folder / name} {why}; nothing was changed: load another tag, or save it again")
+    if sums is None:
+        return
+    for name, crc in zip(names, file_sums([folder / name for name in names]), strict=True):
+        if crc != sums[name][1]:
+            raise CheckpointError(f"{folder / name} differs from what the save wrote (its CRC-32 does not match: a "
+                                  "damaged byte); nothing was changed: load another tag, or save it again")  # fmt: skip
