@@ -27,7 +27,11 @@ CHILD = r"""
 import json, sys, torch
 from pathlib import Path
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import portable, portable_load
+from twinflow.checkpoint import portable
+try:  # the load's module since the batched load; a tree before it has load_portable in portable
+    from twinflow.checkpoint.portable_load import load_portable
+except ImportError:
+    load_portable = portable.load_portable
 
 def size(key):
     with open("/proc/self/status") as f:
@@ -56,7 +60,7 @@ model, opt = made(0)
 if phase == "save":
     peak, kept = measured(lambda: portable.save_portable(directory, "t", model=model, optimizer=opt))
 else:
-    peak, kept = measured(lambda: portable_load.load_portable(directory, model=model, optimizer=opt))
+    peak, kept = measured(lambda: load_portable(directory, model=model, optimizer=opt))
 print(json.dumps({"peak_bytes": peak, "kept_bytes": kept, "elements": sum(p.numel() for p in model.parameters())}))
 """
 
