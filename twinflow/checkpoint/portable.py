@@ -15,7 +15,7 @@ model's weights as ``model.state_dict()`` gives them (FSDP2: DTensors), the opti
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``master``, float32) as a tensor of the parameter's shape (a DTensor over
 the parameter's mesh where it is one). DCP writes each rank's pieces and reads back whatever pieces a rank of
 another world needs: a checkpoint of N ranks resumes on M, under DDP, ZeRO-1, FSDP2 or one process, at any ratio
-and in any ``state_precision`` (the optimizer's own ``load_state_dict`` places the state).
+and in any ``state_precision`` (:mod:`.portable_load` hands the state to the optimizer's state owner).
 
 - **fp32 state is exact.** Compact state is saved decoded (float32) and encoded again at the load, to the nearest
   code: a block whose elements are the same block after the load (the same parameter cut on a multiple of 256
@@ -107,7 +107,7 @@ def planned_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _logical(p, torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape))
 
 
-def _gathered(mine: dict[str, Any]) -> dict[str, Any]:
+def gathered(mine: dict[str, Any]) -> dict[str, Any]:
     """The union over the ranks of each rank's `mine` (name -> value)."""
     if not (dist.is_available() and dist.is_initialized()):
         return dict(mine)
@@ -216,7 +216,7 @@ def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[di
     names = names_of(model)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]  # fmt: skip
-    group_of = _gathered({name: i for i, g in enumerate(groups) for name in g["params"]})
+    group_of = gathered({name: i for i, g in enumerate(groups) for name in g["params"]})
     for i, g in enumerate(groups):
         g["params"] = [name for name, gi in group_of.items() if gi == i]
     return groups
@@ -235,23 +235,36 @@ class PendingSave:
 
     def wait(self) -> Path:
         """Blocks until the save has been written and put in place (every rank calls it, as they called the save:
-        none returns before rank 0 has renamed the tag and written ``latest``); returns the tag's folder. A failed
-        write raises here, and the tag stays "<tag>.saving" (removed by the next save)."""
+        none returns before rank 0 has renamed the tag and written ``latest``); returns the tag's folder. A write
+        that failed on any rank raises here on every rank, and the tag stays "<tag>.saving" (removed by the next
+        save)."""
         if self in _pending:
             _pending.remove(self)
-        failed: BaseException | None = None
-        try:
-            self.future.result()
-        except BaseException as exc:  # noqa: BLE001 (raised below, once every rank is past the barrier)
-            failed = exc
-        if failed is None and rank_and_world()[0] == 0:
-            _put_in_place(self.saving, self.final)
-        _barrier()
-        if failed is not None:
-            raise failed
+        _finish(self.saving, self.final, self.future.result)
         notice("saved portable checkpoint %s in the background in %.1f s", self.final,
                time.perf_counter() - self.start)  # fmt: skip
         return self.final
+
+
+def _finish(saving: Path, final: Path, last_write: Any) -> None:
+    """Every rank runs `last_write` (its sums; in the background, what waits for them), then the ranks agree: only
+    once every rank's succeeded does rank 0 put the tag in place; a failure on any rank raises on every rank."""
+    failed: BaseException | None = None
+    try:
+        last_write()
+    except BaseException as exc:  # noqa: BLE001 (raised below, once every rank has said how its write went)
+        failed = exc
+    failures = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
+    others = {rank: why for rank, why in failures.items() if why is not None}
+    if not others and rank_and_world()[0] == 0:
+        _put_in_place(saving, final)
+    _barrier()
+    if failed is not None:
+        raise failed
+    if others:
+        rank, why = min(others.items())
+        raise CheckpointError(f"the save of {final} failed on rank {rank} ({why[:300]}); it stays {saving.name} "
+                              "(removed by the next save) and the previous tags are as they were")  # fmt: skip
 
 
 _pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
@@ -355,7 +368,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     _barrier()
     state = {MODEL: {k: v.detach() for k, v in model.state_dict().items()}, OPTIM: _optimizer_tensors(model, optimizer)}
     groups = _groups(model, optimizer)
-    keys = _gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
+    keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -372,11 +385,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     planned = _with(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
     dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=_ReadWhenWritten(_deferred(state)))
-    write_sums(saving, rank, world)  # this rank's share of the files, once DCP's metadata names them all
-    _barrier()
-    if rank == 0:
-        _put_in_place(saving, final)
-    _barrier()
+    _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
     return final
 

@@ -2,17 +2,19 @@
 
 In two phases, so that a refused load changes nothing and host memory stays bounded:
 
-1. **Check.** DCP's planner plans this rank's reads over tensors of no memory: a key the model or the optimizer
-   needs and the checkpoint lacks, or of another shape, is refused naming it. Every file those reads touch is then
-   checked against the checksums the save wrote (:mod:`.portable_sums`): a missing, truncated or damaged file is
-   refused naming the file. Nothing has changed yet.
+1. **Check** (every rank; if any refuses, every rank raises). DCP's planner plans this rank's reads over tensors
+   of no memory: a key the model or the optimizer needs and the checkpoint lacks, or of another shape, is refused
+   naming it. Every file those reads touch is checked against the checksums the save wrote
+   (:mod:`.portable_sums`): a missing, truncated or damaged file is refused naming the file. For a TwinFlowAdam a
+   parameter's saved state must be Adam's (``step``, ``exp_avg``, ``exp_avg_sq``) or have none of its keys
+   (fresh); the steps and the user's own keys are read and checked. Nothing has changed yet.
 2. **Read.** For a TwinFlowAdam: the optimizer takes the param groups (its own checks; it refuses before it
    changes anything), the weights are read in place, and the state is read ``CHUNK`` elements of parameters at a
    time (a parameter larger than that: alone), each batch handed to the optimizer's state owner and let go
    (:class:`StateReader`; under ``ratio="auto"`` before the first step, when that step builds the state). The
    host memory beyond the state itself is one such batch in float32: the larger of ``CHUNK`` and one parameter's
-   state. Any other optimizer has its state read whole in float32 and loaded by its own ``load_state_dict``, the
-   weights put back if it refuses.
+   state. Any other optimizer has its state read whole in float32 in the first phase and loaded by its own
+   ``load_state_dict``, the weights put back if it refuses.
 
 What the first phase cannot foresee is the storage failing under the second one's reads (the files were whole a
 moment before): that error says the run is now partly loaded.
@@ -21,6 +23,7 @@ moment before): that error says the run is now partly loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -37,6 +40,7 @@ from twinflow.checkpoint.portable import (
     OLD,
     OPTIM,
     dcp,
+    gathered,
     host_dtensor,
     is_portable,
     names_of,
@@ -57,6 +61,7 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
 OWNED = ("step", "exp_avg", "exp_avg_sq", "master")  # the keys the optimizer's state owner keeps
+ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 
 def host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -154,58 +159,17 @@ def _owned_entry(p: torch.Tensor, entry: dict[str, torch.Tensor]) -> dict[str, t
     return {k: v if v.dim() == 0 and p.dim() != 0 else local(v).reshape(local(p).shape) for k, v in entry.items()}
 
 
-def _batches(params: list[torch.Tensor], elements: list[int]) -> list[list[int]]:
+def _batches(elements: list[int]) -> list[list[int]]:
     """The parameters' indices in runs of about ``CHUNK`` elements of state (a larger parameter alone)."""
     out: list[list[int]] = [[]]
     size = 0
-    for index in range(len(params)):
-        if out[-1] and size + elements[index] > CHUNK:
+    for index, count in enumerate(elements):
+        if out[-1] and size + count > CHUNK:
             out.append([])
             size = 0
         out[-1].append(index)
-        size += elements[index]
+        size += count
     return [batch for batch in out if batch]
-
-
-def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, scheduler: Any = None) -> tuple[Any, Any]:  # fmt: skip
-    """Loads a portable checkpoint saved by any number of ranks into this run (every rank calls it); returns the
-    saved (extra, meta with the tag). Everything is checked before anything changes (see the module)."""
-    start = time.perf_counter()
-    at = _Folder(Path(directory), tag)
-    info = at.info
-    names = names_of(model)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved_groups = info["param_groups"]
-    saved_names = {name for g in saved_groups for name in g["params"]}
-    missing = sorted({names[id(p)] for p in params} - (saved_names & set(info["state_keys"])))
-    if missing:
-        raise CheckpointError(f"checkpoint {at.tag!r} has no optimizer state for {missing[:3]} (of {len(missing)}): "
-                              "the model differs from the saved one")  # fmt: skip
-    keys = [info["state_keys"][names[id(p)]] for p in params]
-    model_now = {k: v.detach() for k, v in model.state_dict().items()}
-    planned = {names[id(p)]: {k: torch.zeros(()) if k == "step" else planned_tensor(p, torch.float32) for k in keys[i]}
-               for i, p in enumerate(params)}  # fmt: skip
-    at.check({MODEL: model_now, OPTIM: planned})
-    checked = time.perf_counter() - start
-    group_of = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
-    index_of, groups = {id(p): i for i, p in enumerate(params)}, []
-    for g in optimizer.param_groups:
-        saved = saved_groups[group_of[names[id(g["params"][0])]]] if g["params"] else {}
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": [index_of[id(p)] for p in g["params"]]})  # fmt: skip
-    owner = getattr(optimizer, "state_owner", None)
-    if owner is not None and hasattr(optimizer, "pending_state"):  # a TwinFlowAdam
-        _streamed(at, model_now, optimizer, owner, params, keys, groups, names)
-    else:
-        _whole(at, model_now, optimizer, params, keys, groups, names)
-    if scheduler is not None and info["scheduler"] is not None:
-        scheduler.load_state_dict(info["scheduler"])
-    rank, world = rank_and_world()
-    moved = f" (saved by {info['world_size']} ranks)" if info["world_size"] != world else ""
-    notice("loaded portable checkpoint %s%s in %.1f s (its checks %.1f s)", at.folder, moved,
-           time.perf_counter() - start, checked)  # fmt: skip
-    return info["extra"], {**(info["meta"] or {}), "tag": at.tag}
 
 
 def _target(params: list[torch.Tensor], keys: list[list[str]], names: dict[int, str], which: list[int],
@@ -216,15 +180,120 @@ def _target(params: list[torch.Tensor], keys: list[list[str]], names: dict[int, 
                                            for k in keys[i] if wanted(k)} for i in which}}  # fmt: skip
 
 
-class StateReader:
-    """Parameter index -> its state entry from the checkpoint, read a batch of ``CHUNK`` elements at a time as the
-    indices are asked for in order (the batch before is let go first): what the optimizer's load takes, one
-    parameter after another."""
+@dataclasses.dataclass
+class _Checked:
+    """What the first phase found, on this rank: the folder, the model's tensors, the optimizer's parameters (their
+    names and saved keys, the param groups to load) and what it read: the user's keys and the steps (a TwinFlowAdam),
+    or everything (any other optimizer)."""
 
-    def __init__(self, at: _Folder, params: list[torch.Tensor], keys: list[list[str]], names: dict[int, str]) -> None:
-        self.at, self.params, self.keys, self.names = at, params, keys, names
-        elements = [local(p).numel() * sum(k != "step" for k in keys[i]) for i, p in enumerate(params)]
-        self.batches = _batches(params, elements)
+    at: _Folder
+    model_now: dict[str, torch.Tensor]
+    params: list[torch.Tensor]
+    names: dict[int, str]
+    keys: list[list[str]]
+    groups: list[dict]
+    read: dict[str, Any]
+
+
+def _agreed(what: Any, outcome: str) -> Any:
+    """what() on every rank (every rank calls the load); if it raised a CheckpointError on any rank, every rank
+    raises: the others name the first rank that refused and say `outcome`."""
+    result, failed = None, None
+    try:
+        result = what()
+    except CheckpointError as exc:
+        failed = exc
+    refusals = {r: why for r, why in gathered({rank_and_world()[0]: None if failed is None else str(failed)}).items()
+                if why is not None}  # fmt: skip
+    if failed is not None:
+        raise failed
+    if refusals:
+        rank, why = min(refusals.items())
+        raise CheckpointError(f"rank {rank} refused the load ({why[:400]}); {outcome}")
+    return result
+
+
+def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer: Any, streamed: bool) -> _Checked:
+    """Phase 1 (changes nothing): the tag, every parameter's state, DCP's plan and the files it reads; then the
+    small part read (a TwinFlowAdam: the user's keys and the steps, checked), or everything (another optimizer)."""
+    at = _Folder(directory, tag)
+    info = at.info
+    names = names_of(model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_groups = info["param_groups"]
+    saved_names = {name for g in saved_groups for name in g["params"]}
+    missing = sorted({names[id(p)] for p in params} - (saved_names & set(info["state_keys"])))
+    if missing:
+        raise CheckpointError(f"checkpoint {at.tag!r} has no optimizer state for {missing[:3]} (of {len(missing)}): "
+                              "the model differs from the saved one")  # fmt: skip
+    keys = [info["state_keys"][names[id(p)]] for p in params]
+    for p, saved in zip(params, keys, strict=True):
+        lacking = [k for k in ADAM if k not in saved]
+        if streamed and any(k in OWNED for k in saved) and lacking:
+            raise CheckpointError(f"checkpoint {at.tag!r}: the state of {names[id(p)]} has {sorted(saved)}, no "
+                                  f"{lacking[0]!r}; an Adam state needs {list(ADAM)} (was it saved by another "
+                                  "optimizer?); nothing was changed")  # fmt: skip
+    model_now = {k: v.detach() for k, v in model.state_dict().items()}
+    planned = {names[id(p)]: {k: torch.zeros(()) if k == "step" else planned_tensor(p, torch.float32) for k in keys[i]}
+               for i, p in enumerate(params)}  # fmt: skip
+    at.check({MODEL: model_now, OPTIM: planned})
+    everything = range(len(params))
+    if streamed:
+        read = _target(params, keys, names, list(everything), lambda k: k == "step" or k not in OWNED)
+    else:
+        read = {
+            MODEL: {k: host_target(v) for k, v in model_now.items()},
+            **_target(params, keys, names, list(everything)),
+        }
+    if any(read[OPTIM].values()) or MODEL in read:
+        at.read(read)
+    for name, entry in read[OPTIM].items():
+        if "step" in entry:
+            count = entry["step"].item()
+            if not (math.isfinite(count) and count >= 0 and count == int(count)):
+                raise CheckpointError(f"checkpoint {at.tag!r}: the step of {name} is {count}; expected a whole "
+                                      "number >= 0 (the file is damaged); nothing was changed")  # fmt: skip
+    group_of = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
+    index_of, groups = {id(p): i for i, p in enumerate(params)}, []
+    for g in optimizer.param_groups:
+        saved = saved_groups[group_of[names[id(g["params"][0])]]] if g["params"] else {}
+        groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                       "params": [index_of[id(p)] for p in g["params"]]})  # fmt: skip
+    return _Checked(at, model_now, params, names, keys, groups, read)
+
+
+def load_portable(directory: str | Path, tag: str | None = None, *, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, scheduler: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """Loads a portable checkpoint saved by any number of ranks into this run (every rank calls it); returns the
+    saved (extra, meta with the tag). Everything is checked, on every rank, before anything changes (see the
+    module); a refusal on any rank raises on every rank."""
+    start = time.perf_counter()
+    streamed = hasattr(optimizer, "pending_state") and hasattr(optimizer, "state_owner")  # a TwinFlowAdam
+    found = _agreed(lambda: _checked(Path(directory), tag, model, optimizer, streamed),
+                    "nothing was changed on any rank")  # fmt: skip
+    checked = time.perf_counter() - start
+    if streamed:
+        _streamed(found, optimizer)
+    else:
+        _whole(found, optimizer)
+    info = found.at.info
+    if scheduler is not None and info["scheduler"] is not None:
+        scheduler.load_state_dict(info["scheduler"])
+    moved = f" (saved by {info['world_size']} ranks)" if info["world_size"] != rank_and_world()[1] else ""
+    notice("loaded portable checkpoint %s%s in %.1f s (its checks %.1f s)", found.at.folder, moved,
+           time.perf_counter() - start, checked)  # fmt: skip
+    return info["extra"], {**(info["meta"] or {}), "tag": found.at.tag}
+
+
+class StateReader:
+    """Parameter index -> its state entry from the checkpoint (None: it was saved with none: fresh), read a batch
+    of ``CHUNK`` elements at a time as the indices are asked for in order (the batch before is let go first): what
+    the optimizer's load takes, one parameter after another. The steps were read and checked before."""
+
+    def __init__(self, found: _Checked) -> None:
+        self.found = found
+        self.moments = [[k for k in keys if k in OWNED and k != "step"] for keys in found.keys]
+        self.batches = _batches([local(p).numel() * len(m) for p, m in zip(found.params, self.moments, strict=True)])
         self.batch_of = {i: b for b, batch in enumerate(self.batches) for i in batch}
         self.current: tuple[int, dict[int, dict[str, torch.Tensor]]] = (-1, {})
 
@@ -232,60 +301,68 @@ class StateReader:
         b = self.batch_of.get(i)
         if b is None:
             return default
+        if not self.moments[i]:
+            return None
         if self.current[0] != b:
             self.current = (-1, {})  # the batch before goes first
-            batch = self.batches[b]
-            target = _target(self.params, self.keys, self.names, batch, lambda k: k in OWNED)
-            self.at.read(target, changed=True)
-            entries = zip(batch, target[OPTIM].values(), strict=True)
-            self.current = (b, {j: _owned_entry(self.params[j], entry) for j, entry in entries})
+            self.current = (b, self._read(self.batches[b]))
         entry = self.current[1][i]
         if i == self.batches[b][-1]:
             self.current = (-1, {})  # the batch's last parameter: nothing of it is asked for again
         return entry
 
+    def _read(self, batch: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        f = self.found
+        target = _target(f.params, self.moments, f.names, batch)
+        if any(target[OPTIM].values()):
+            f.at.read(target, changed=True)
+        steps = f.read[OPTIM]
+        return {j: _owned_entry(f.params[j], {"step": steps[f.names[id(f.params[j])]]["step"], **entry})
+                for j, entry in zip(batch, target[OPTIM].values(), strict=True)}  # fmt: skip
 
-def _streamed(at: _Folder, model_now: dict[str, torch.Tensor], optimizer: Any, owner: Any, params: list[torch.Tensor],
-              keys: list[list[str]], groups: list[dict], names: dict[int, str]) -> None:  # fmt: skip
+
+def _streamed(found: _Checked, optimizer: Any) -> None:
     """Phase 2 for a TwinFlowAdam: the groups (and the user's own keys), then the weights in place, then the state
     a batch at a time (:class:`StateReader`) through the state owner; under ratio="auto" before its first step,
     when that step builds the state (the files are read then)."""
-    own = _target(params, keys, names, list(range(len(params))), lambda k: k not in OWNED)  # the user's keys
-    if any(own[OPTIM].values()):
-        at.read(own)
-    state = {i: _owned_entry(params[i], entry) for i, entry in enumerate(own[OPTIM].values()) if entry}
-    try:  # its checks first: a refusal changes nothing
-        optimizer.load_state_dict({"state": state, "param_groups": groups})  # every parameter starts afresh
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {at.tag!r}: the optimizer refused it ({exc}); nothing was changed") from exc
-    at.read({MODEL: model_now}, changed=True)  # in place, into the model's own tensors
-    reader = StateReader(at, params, keys, names)
+    own = {i: {k: v for k, v in entry.items() if k != "step"} for i, entry in enumerate(found.read[OPTIM].values())}
+    state = {i: _owned_entry(found.params[i], entry) for i, entry in own.items() if entry}
+    _agreed(lambda: _load_groups(found, optimizer, state), "this rank's optimizer took its groups and started afresh")
+    found.at.read({MODEL: found.model_now}, changed=True)  # in place, into the model's own tensors
+    reader, owner = StateReader(found), optimizer.state_owner
     if not owner.built:
         optimizer.pending_state = reader  # its build takes the pending state, a parameter after another
         return
-    for i in range(len(params)):
+    for i in range(len(found.params)):
         owner.put(i, reader.get(i))
 
 
-def _whole(at: _Folder, model_now: dict[str, torch.Tensor], optimizer: Any, params: list[torch.Tensor],
-           keys: list[list[str]], groups: list[dict], names: dict[int, str]) -> None:  # fmt: skip
-    """Phase 2 for any other optimizer: everything read into new host tensors, then the weights, then the
+def _load_groups(found: _Checked, optimizer: Any, state: dict[int, dict[str, torch.Tensor]]) -> None:
+    try:  # its checks first: a refusal changes nothing
+        optimizer.load_state_dict({"state": state, "param_groups": found.groups})  # every parameter starts afresh
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {found.at.tag!r}: the optimizer refused it ({exc}); nothing was "
+                              "changed") from exc  # fmt: skip
+
+
+def _whole(found: _Checked, optimizer: Any) -> None:
+    """Phase 2 for any other optimizer (the first read everything into new host tensors): the weights, then the
     optimizer's own ``load_state_dict``, which checks everything before it changes anything (if it refuses, the
     weights go back)."""
-    target = {MODEL: {k: host_target(v) for k, v in model_now.items()},
-              **_target(params, keys, names, list(range(len(params))))}  # fmt: skip
-    at.read(target)
-    state = {i: _owned_entry(p, target[OPTIM][names[id(p)]]) for i, p in enumerate(params)}
+    target, model_now = found.read, found.model_now
+    state = {i: _owned_entry(p, target[OPTIM][found.names[id(p)]]) for i, p in enumerate(found.params)}
     before = {key: local(now).to("cpu", copy=True) for key, now in model_now.items()}
     with torch.no_grad():
         for key, now in model_now.items():
             local(now).copy_(local(target[MODEL][key]))
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except Exception as exc:
-        with torch.no_grad():
-            for key, now in model_now.items():
-                local(now).copy_(before[key])
-        raise CheckpointError(
-            f"checkpoint {at.tag!r}: the optimizer refused its state ({exc}); nothing was changed"
-        ) from exc
+
+    def load() -> None:
+        try:
+            _load_groups(found, optimizer, state)
+        except CheckpointError:
+            with torch.no_grad():
+                for key, now in model_now.items():
+                    local(now).copy_(before[key])
+            raise
+
+    _agreed(load, "this rank's model and optimizer were loaded")

@@ -1,10 +1,10 @@
 """Checksums of a portable checkpoint's files (:mod:`twinflow.checkpoint.portable`).
 
-Once DCP has written every rank's pieces and its ``.metadata``, each rank sums a share of the files the metadata
-names (CRC-32 and size, every ``world``-th file from its rank on) into ``twinflow.sums.<rank>.json`` beside them,
-before the tag is put in place. A load checks every file it is about to read against them before it changes
-anything: a damaged byte, a truncated or missing file is refused, naming the file. A tag saved before checksums
-existed (its ``twinflow.pt`` says none were written) is checked for sizes only.
+Once DCP has written every rank's pieces and its ``.metadata``, each rank sums its share of the files the metadata
+names (CRC-32 and size; the files it wrote, :func:`share`) into ``twinflow.sums.<rank>.json`` beside them. Then
+the ranks agree that every write succeeded, and the tag is put in place. A load checks every file it is about to
+read against them before it changes anything: a damaged byte, a truncated or missing file is refused, naming the
+file. A tag saved before checksums existed (its ``twinflow.pt`` says none were written) is checked for sizes only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -47,9 +48,17 @@ def written_files(folder: Path) -> list[str]:
     return sorted({info.relative_path for info in metadata.storage_data.values()})
 
 
+def share(files: list[str], rank: int, world: int) -> list[str]:
+    """The files of `files` rank `rank` of `world` sums: those it wrote (DCP names them ``__<rank>_<n>``: they are
+    in its page cache), and its turn of any named otherwise."""
+    writer = {name: int(m.group(1)) if (m := re.match(r"__(\d+)_", name)) else None for name in files}
+    others = [name for name in files if writer[name] is None or writer[name] >= world]
+    return [name for name in files if writer[name] == rank] + others[rank::world]
+
+
 def write_sums(folder: Path, rank: int, world: int) -> None:
     """Rank `rank` of `world` sums its share of the files in `folder` into ``twinflow.sums.<rank>.json``."""
-    mine = written_files(folder)[rank::world]
+    mine = share(written_files(folder), rank, world)
     crcs = file_sums([folder / name for name in mine])
     sums = {name: [(folder / name).stat().st_size, crc] for name, crc in zip(mine, crcs, strict=True)}
     write_atomic(folder / f"{SUMS}.{rank}.json", lambda f: f.write(json.dumps(sums).encode()))

@@ -130,7 +130,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._states.bind(self.coordinator.split)  # its index tells parameters from other keys before 'auto' builds
         self.device, self.state_extras = self.coordinator.split.device, self._states.extras  # (opt.state unsynced)
         self.attachment: Attachment | None = None  # the hooks of attach()
-        self.pending_state: dict[int, dict[str, torch.Tensor]] | None = None  # loaded before ratio='auto' built
+        self.pending_state: Any = None  # loaded before ratio='auto' built: by index (dict, or a .get: a reader)
         self.offload = offload_states.StateOffload()  # what offload_states() moved out, and its host buffer
         self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
         self.register_state_dict_post_hook(_plain_entries, prepend=True)
@@ -144,9 +144,9 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """After every build of the split (at first, ratio='auto', a rebuild): the state map, load, hooks follow."""
         self.split_summary = self.coordinator.summary | {"ratio_requested": "auto" if self.auto_ratio else self.ratio}
         self._states.bind(self.coordinator.split)
-        self.apply_pending_state()  # a state dict loaded before ratio='auto' built the state
-        if self.attachment is not None:
+        if self.attachment is not None:  # first: a pending state read from files may fail
             self.attachment.install()
+        self.apply_pending_state()  # a state dict loaded before ratio='auto' built the state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch.optim's (a parameter in two groups refused by name); it joins the split at the next step."""
