@@ -173,10 +173,11 @@ def _batches(elements: list[int]) -> list[list[int]]:
 
 
 def _target(params: list[torch.Tensor], keys: list[list[str]], names: dict[int, str], which: list[int],
-            wanted: Any = lambda key: True) -> dict[str, Any]:  # fmt: skip
-    """New host tensors for the `wanted` state keys of the parameters `which` indexes (float32; a step a number)."""
-    return {OPTIM: {names[id(params[i])]: {k: torch.zeros(()) if k == "step" else host_target(params[i].detach(),
-                                                                                         torch.float32)
+            wanted: Any = lambda key: True, make: Any = host_target) -> dict[str, Any]:  # fmt: skip
+    """Tensors made by `make` (new host tensors; `planned_tensor`: of no memory) for the `wanted` state keys of the
+    parameters `which` indexes (float32; a step a number)."""
+    return {OPTIM: {names[id(params[i])]: {k: torch.zeros(()) if k == "step" else make(params[i].detach(),
+                                                                                  torch.float32)
                                            for k in keys[i] if wanted(k)} for i in which}}  # fmt: skip
 
 
@@ -234,16 +235,14 @@ def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer
                                   f"{lacking[0]!r}; an Adam state needs {list(ADAM)} (was it saved by another "
                                   "optimizer?); nothing was changed")  # fmt: skip
     model_now = {k: v.detach() for k, v in model.state_dict().items()}
-    planned = {names[id(p)]: {k: torch.zeros(()) if k == "step" else planned_tensor(p, torch.float32) for k in keys[i]}
-               for i, p in enumerate(params)}  # fmt: skip
-    at.check({MODEL: model_now, OPTIM: planned})
-    everything = range(len(params))
+    everything = list(range(len(params)))
+    at.check({MODEL: model_now, **_target(params, keys, names, everything, make=planned_tensor)})
     if streamed:
-        read = _target(params, keys, names, list(everything), lambda k: k == "step" or k not in OWNED)
+        read = _target(params, keys, names, everything, lambda k: k == "step" or k not in OWNED)
     else:
         read = {
             MODEL: {k: host_target(v) for k, v in model_now.items()},
-            **_target(params, keys, names, list(everything)),
+            **_target(params, keys, names, everything),
         }
     if any(read[OPTIM].values()) or MODEL in read:
         at.read(read)
