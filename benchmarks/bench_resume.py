@@ -17,14 +17,17 @@ disk holds one checkpoint: OPT-13B's portable one is 169 GB on a 235 GB disk). T
 config's ``offload_ratio`` ("auto": each world size plans its own) and ``offload_state_precision`` apply as
 given. Writes JSON (--out, else $OUT, else benchmarks/results/): losses, step times, the save's or load's seconds
 and the peak host memory during it (this rank's resident size and the machine's used memory, sampled every
-20 ms), for every rank.
+20 ms), for every rank; a save's row on rank 0 also has the tag's bytes on disk (``checkpoint_bytes``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import threading
@@ -136,6 +139,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="--load: the load's 30 costliest calls (cProfile)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -176,6 +180,8 @@ def main() -> None:
                 engine.save_checkpoint(args.ckpt, args.tag, portable=not args.per_rank)
             row["save"] = peak.report()
             row["losses_after"], row["seconds_after"] = train(engine, after, args, rank, world, device, vocab)
+        if rank == 0:  # what the synchronous (else the asynchronous) save left on disk
+            row["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.ckpt / args.tag).rglob("*") if f.is_file())
         if args.asynchronous and not args.async_only:
             with HostPeak() as peak:
                 engine.save_checkpoint(args.ckpt, args.tag + "_async", portable=True, asynchronous=True)
@@ -189,9 +195,18 @@ def main() -> None:
             normal = statistics.median(row["seconds_after"])
             row["async_step_over_normal"] = statistics.median(row["seconds_during_async_save"]) / normal
     else:
+        profile = cProfile.Profile() if args.profile else None
         with HostPeak() as peak:
+            if profile is not None:
+                profile.enable()
             engine.load_checkpoint(args.ckpt, args.tag)
+            if profile is not None:
+                profile.disable()
         row["load"] = peak.report()
+        if profile is not None:  # where the load's time went: the functions of most cumulative time
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+            row["load_profile"] = text.getvalue().splitlines()
         row["global_steps_loaded"] = engine.global_steps
         first = engine.global_steps
         row["losses_after"], row["seconds_after"] = train(engine, range(first, first + args.after), args, rank,
@@ -213,7 +228,7 @@ def main() -> None:
             result["relative_difference_to_reference"] = [abs(a - b) / abs(b) for a, b in zip(mine, saved)]
             result["within_1_percent"] = all(d <= 0.01 for d in result["relative_difference_to_reference"])
         path = write_json(result, f"bench_resume_{args.model}_{'save' if args.save else 'load'}{world}.json", args.out)
-        keys = ("save", "load", "async_step_over_normal", "losses_after", "ratio")
+        keys = ("save", "load", "checkpoint_bytes", "async_step_over_normal", "losses_after", "ratio")
         print(json.dumps({k: rows[0].get(k) for k in keys}, default=str))
         if args.reference:
             print(json.dumps({"relative_difference_to_reference": result["relative_difference_to_reference"]}))

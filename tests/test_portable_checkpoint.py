@@ -262,19 +262,22 @@ def test_a_killed_save_leaves_the_previous_tag_and_the_next_save_cleans_up(tmp_p
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))
 
 
-def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path) -> None:
-    """Training goes on while the files are written: what is saved is the state when the save began, and the tag
-    appears (with ``latest``) only once the save has finished."""
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path, precision: str) -> None:
+    """Training goes on while the files are written: what is saved is the state when the save began (compact: its
+    codes and scales), and the tag appears (with ``latest``) only once the save has finished."""
     model, opt = _single(0)
-    _train(model, opt)
     reference, reference_opt = _single(0)
+    other, other_opt = _single(1)
+    for o in (opt, reference_opt, other_opt):
+        o.state_precision = precision
+    _train(model, opt)
     _train(reference, reference_opt)
     pending = portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True)
     _train(model, opt, 2)  # while it is written: weights and state change in place
     assert not (tmp_path / "ckpt" / "a").exists() and not (tmp_path / "ckpt" / "latest").exists()
     folder = pending.wait()
     assert folder == tmp_path / "ckpt" / "a" and (tmp_path / "ckpt" / "latest").read_text() == "a"
-    other, other_opt = _single(1)
     portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
     _train(other, other_opt, 1)
@@ -391,9 +394,10 @@ def _measured(script: str, ckpt: Path) -> dict:
 
 
 def test_a_portable_save_of_compact_state_decodes_a_tensor_at_a_time_and_keeps_nothing(tmp_path) -> None:
-    """The save reads each moment and master through the state owner as it is written, to a file of its own. It
-    used to take them from state_dict(): the whole state decoded to float32 at once (12 bytes a parameter), which
-    DCP's one file per rank held until the end and opt.state kept after the save, until it was next read.
+    """The save reads each moment (its codes and scales) and master through the state owner as it is written, to a
+    file of its own. It used to take them from state_dict(): the whole state decoded to float32 at once (12 bytes a
+    parameter), which DCP's one file per rank held until the end and opt.state kept after the save, until it was
+    next read.
     Resident memory measured in a fresh process whose allocator gives blocks of 64 KiB or more back to the system
     when they are freed."""
     result = _measured(SAVE_MEMORY, tmp_path / "ckpt")

@@ -35,6 +35,7 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import shutil
 import time
 from pathlib import Path
@@ -45,7 +46,9 @@ import torch.distributed as dist
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
+from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
+from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
 from twinflow.checkpoint.portable_sums import write_sums
 from twinflow.version import __version__
 
@@ -134,67 +137,115 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 class _Deferred:
-    """A parameter's moment or master, read from the optimizer's state owner only when DCP writes it (float32, host
-    memory), never through ``opt.state`` (state_dict()'s decoded copies of compact state stayed there after the
-    save, 12 bytes a parameter). With a file a tensor (DCP's writer keeps a file's tensors until the file ends),
-    a save holds one such tensor at a time. Stands in the state dict as `placeholder`: a logical tensor of the
-    right shape and dtype over no memory, from which DCP plans."""
+    """A parameter's moment, master or codes (`dtype`), read (`read`: this process's elements, flat, host memory)
+    only when DCP writes it, never through ``opt.state`` (state_dict()'s decoded copies of compact state stayed
+    there after the save, 12 bytes a parameter). With a file a tensor (DCP's writer keeps a file's tensors until
+    the file ends), a save holds one such tensor at a time. Stands in the state dict as `placeholder`: a logical
+    tensor of the right shape and dtype over no memory, from which DCP plans."""
 
-    def __init__(self, p: torch.Tensor, owner: Any, i: int, key: str) -> None:
-        self.p, self.owner, self.i, self.key = p, owner, i, key
-        self.placeholder = planned_tensor(p, torch.float32)
+    def __init__(self, p: torch.Tensor, dtype: torch.dtype, read: Any) -> None:
+        self.p, self.read = p, read
+        self.placeholder = planned_tensor(p, dtype)
 
     def local(self) -> torch.Tensor:
         """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
-        return self.owner.read(self.i, self.key).view(local(self.p).shape)
+        return self.read().view(local(self.p).shape)
 
     def logical(self) -> torch.Tensor:
         """The logical tensor, its piece in host memory (an asynchronous save's copy)."""
         if DTensor is not None and isinstance(self.p, DTensor):
-            out = host_dtensor(self.p, torch.float32)
+            out = host_dtensor(self.p, self.placeholder.dtype)
             local(out).copy_(self.local())
             return out
         return _logical(self.p, self.local())
 
 
+class _DeferredScales:
+    """A moment's block scales (:class:`.portable_codes.BlockScales`), read when DCP writes them."""
+
+    def __init__(self, p: torch.Tensor, read: Any) -> None:
+        self.p, self.read = p, read
+        self.placeholder = portable_codes.scales_piece(p)
+
+    def local(self) -> torch.Tensor:
+        return self.read()
+
+    def logical(self) -> portable_codes.BlockScales:
+        return portable_codes.scales_piece(self.p, self.read())
+
+
 def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, owner: Any) -> dict[str, dict[str, Any]]:
-    """A TwinFlowAdam's state by parameter name: the steps as tensors, the moments and masters as :class:`_Deferred`
-    (what ``state_dict()`` would give, without decoding it all first)."""
+    """A TwinFlowAdam's state by parameter name: the steps as tensors, the moments and masters read when written
+    (:class:`_Deferred`, without decoding it all first): compact moments as their codes and scales where every
+    rank's elements of the parameter start on a block (:mod:`.portable_codes`), else decoded."""
     owner.check_settled()  # no step half done
     owner.settle_state()
     owner.absorb_edits()  # in-place writes to the copies opt.state handed out
     names, out = names_of(model), {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = [i for i in range(len(params)) if owner.holds(i)]
+    coded = owner.precision.coded_moments
+    unaligned = set(gathered({names[id(params[i])]: False for i in held
+                              if coded and not portable_codes.keeps_blocks(params[i], owner.raw(i))}))  # fmt: skip
     # keys of the user's own beside a parameter's state (opt.state's extras, read without syncing it) are saved too
     extras, _ = optimizer.state_extras()
-    for i, p in enumerate(params):
-        if not owner.holds(i):
-            continue
-        keys = ("exp_avg", "exp_avg_sq") + (("master",) if owner.locals[i].dtype != torch.float32 else ())
+    for i in held:
+        p, name = params[i], names[id(params[i])]
         own = {k: _host_state_tensor(p, v)
                for k, v in extras.get(i, {}).items() if isinstance(v, torch.Tensor)}  # fmt: skip
-        out[names[id(p)]] = {**own, "step": torch.tensor(float(owner.steps[i])),
-                             **{key: _Deferred(p, owner, i, key) for key in keys}}  # fmt: skip
+        entry = {**own, "step": torch.tensor(float(owner.steps[i]))}
+        as_kept = coded and name not in unaligned
+        if as_kept:
+            entry.update(_codes(p, owner, i))
+        else:
+            entry.update({m: _Deferred(p, torch.float32, functools.partial(owner.read, i, m)) for m in MOMENTS})
+        if owner.locals[i].dtype == torch.float32:
+            pass  # the weight is its own master
+        elif as_kept and portable_codes.keeps_masters24(owner.raw(i)):
+            for key, dtype in ((HI, torch.bfloat16), (LO, torch.uint8)):
+                entry[key] = _Deferred(p, dtype, functools.partial(_read_masters24, owner, i, key))
+        else:
+            entry["master"] = _Deferred(p, torch.float32, functools.partial(owner.read, i, "master"))
+        out[name] = entry
     return out
 
 
-def _deferred(state: dict[str, dict[str, Any]]) -> dict[str, _Deferred]:
+def _read_codes(owner: Any, i: int, moment: str, what: str) -> torch.Tensor:
+    return portable_codes.codes_of(owner.raw(i), moment, what)
+
+
+def _read_masters24(owner: Any, i: int, what: str) -> torch.Tensor:
+    return portable_codes.masters24_of(owner.raw(i), what)
+
+
+def _codes(p: torch.Tensor, owner: Any, i: int) -> dict[str, Any]:
+    """Parameter i's moments as their codes and block scales, read from the owner's parts when written."""
+    out: dict[str, Any] = {}
+    for moment, dtype in MOMENTS.items():
+        read = functools.partial(_read_codes, owner, i, moment)
+        out[portable_codes.key_of(moment, CODES)] = _Deferred(p, dtype, functools.partial(read, CODES))
+        out[portable_codes.key_of(moment, SCALES)] = _DeferredScales(p, functools.partial(read, SCALES))
+    return out
+
+
+def _deferred(state: dict[str, dict[str, Any]]) -> dict[str, _Deferred | _DeferredScales]:
     """The :class:`_Deferred` of `state` by the key DCP gives it (its path joined by dots, as DCP flattens a nested
     state dict; :class:`_ReadWhenWritten` checks every one is planned)."""
     return {f"{OPTIM}.{name}.{key}": value for name, entry in state[OPTIM].items() for key, value in entry.items()
-            if isinstance(value, _Deferred)}  # fmt: skip
+            if isinstance(value, _Deferred | _DeferredScales)}  # fmt: skip
 
 
 def _with(state: dict[str, dict[str, Any]], each: Any) -> dict[str, dict[str, Any]]:
     """`state` with every :class:`_Deferred` replaced by each(it), the rest as they are."""
-    return {MODEL: state[MODEL], OPTIM: {name: {k: each(v) if isinstance(v, _Deferred) else v for k, v in entry.items()}
+    return {MODEL: state[MODEL], OPTIM: {name: {k: each(v) if isinstance(v, _Deferred | _DeferredScales) else v
+                                                for k, v in entry.items()}
                                          for name, entry in state[OPTIM].items()}}  # fmt: skip
 
 
 class _ReadWhenWritten(DefaultSavePlanner):
     """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it."""
 
-    def __init__(self, deferred: dict[str, _Deferred]) -> None:
+    def __init__(self, deferred: dict[str, _Deferred | _DeferredScales]) -> None:
         super().__init__()
         self.deferred = deferred
 
@@ -208,7 +259,10 @@ class _ReadWhenWritten(DefaultSavePlanner):
 
     def lookup_object(self, index: Any) -> Any:
         deferred = self.deferred.get(index.fqn)
-        return deferred.local() if deferred is not None else super().lookup_object(index)
+        if deferred is not None:
+            return deferred.local()
+        scales = self.state_dict.get(index.fqn)  # an asynchronous save's copy of a moment's block scales
+        return scales.data if isinstance(scales, portable_codes.BlockScales) else super().lookup_object(index)
 
 
 def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -377,7 +431,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
-                                async_stager=_AlreadyStaged())  # fmt: skip
+                                async_stager=_AlreadyStaged(), planner=_ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]

@@ -33,6 +33,7 @@ import torch
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
+from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
 from twinflow.checkpoint.portable import (
     INFO,
@@ -47,6 +48,7 @@ from twinflow.checkpoint.portable import (
     planned_tensor,
     tag_of,
 )
+from twinflow.checkpoint.portable_codes import moment_of
 from twinflow.checkpoint.portable_sums import check_files, read_sums
 
 try:
@@ -173,11 +175,12 @@ def _batches(elements: list[int]) -> list[list[int]]:
 
 
 def _target(params: list[torch.Tensor], keys: list[list[str]], names: dict[int, str], which: list[int],
-            wanted: Any = lambda key: True, make: Any = host_target) -> dict[str, Any]:  # fmt: skip
-    """Tensors made by `make` (new host tensors; `planned_tensor`: of no memory) for the `wanted` state keys of the
-    parameters `which` indexes (float32; a step a number)."""
-    return {OPTIM: {names[id(params[i])]: {k: torch.zeros(()) if k == "step" else make(params[i].detach(),
-                                                                                  torch.float32)
+            wanted: Any = lambda key: True, planned: bool = False) -> dict[str, Any]:  # fmt: skip
+    """New host tensors (`planned`: of no memory) for the `wanted` saved state keys of the parameters `which`
+    indexes (float32, codes in theirs: :func:`.portable_codes.target`; a step a number)."""
+    make = planned_tensor if planned else host_target
+    return {OPTIM: {names[id(params[i])]: {k: torch.zeros(()) if k == "step" else
+                                           portable_codes.target(params[i], k, make, planned)
                                            for k in keys[i] if wanted(k)} for i in which}}  # fmt: skip
 
 
@@ -229,6 +232,7 @@ def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer
                               "the model differs from the saved one")  # fmt: skip
     keys = [info["state_keys"][names[id(p)]] for p in params]
     for p, saved in zip(params, keys, strict=True):
+        saved = {moment_of(k) for k in saved}  # noqa: PLW2901 (compact moments saved as codes and scales)
         lacking = [k for k in ADAM if k not in saved]
         if streamed and any(k in OWNED for k in saved) and lacking:
             raise CheckpointError(f"checkpoint {at.tag!r}: the state of {names[id(p)]} has {sorted(saved)}, no "
@@ -236,9 +240,9 @@ def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer
                                   "optimizer?); nothing was changed")  # fmt: skip
     model_now = {k: v.detach() for k, v in model.state_dict().items()}
     everything = list(range(len(params)))
-    at.check({MODEL: model_now, **_target(params, keys, names, everything, make=planned_tensor)})
+    at.check({MODEL: model_now, **_target(params, keys, names, everything, planned=True)})
     if streamed:
-        read = _target(params, keys, names, everything, lambda k: k == "step" or k not in OWNED)
+        read = _target(params, keys, names, everything, lambda k: k == "step" or moment_of(k) not in OWNED)
     else:
         read = {
             MODEL: {k: host_target(v) for k, v in model_now.items()},
@@ -271,16 +275,17 @@ def load_portable(directory: str | Path, tag: str | None = None, *, model: torch
     found = _agreed(lambda: _checked(Path(directory), tag, model, optimizer, streamed),
                     "nothing was changed on any rank")  # fmt: skip
     checked = time.perf_counter() - start
+    weights = 0.0
     if streamed:
-        _streamed(found, optimizer)
+        weights = _streamed(found, optimizer)
     else:
         _whole(found, optimizer)
     info = found.at.info
     if scheduler is not None and info["scheduler"] is not None:
         scheduler.load_state_dict(info["scheduler"])
     moved = f" (saved by {info['world_size']} ranks)" if info["world_size"] != rank_and_world()[1] else ""
-    notice("loaded portable checkpoint %s%s in %.1f s (its checks %.1f s)", found.at.folder, moved,
-           time.perf_counter() - start, checked)  # fmt: skip
+    notice("loaded portable checkpoint %s%s in %.1f s (its checks %.1f s, the weights %.1f s)", found.at.folder,
+           moved, time.perf_counter() - start, checked, weights)  # fmt: skip
     return info["extra"], {**(info["meta"] or {}), "tag": found.at.tag}
 
 
@@ -291,15 +296,23 @@ class StateReader:
 
     def __init__(self, found: _Checked) -> None:
         self.found = found
-        self.moments = [[k for k in keys if k in OWNED and k != "step"] for keys in found.keys]
-        self.batches = _batches([local(p).numel() * len(m) for p, m in zip(found.params, self.moments, strict=True)])
+        self.moments = [[k for k in keys if moment_of(k) in OWNED and k != "step"] for keys in found.keys]
+        self.batches = _batches([local(p).numel() * len({moment_of(k) for k in m})  # in float32, once decoded
+                                 for p, m in zip(found.params, self.moments, strict=True)])  # fmt: skip
         self.batch_of = {i: b for b, batch in enumerate(self.batches) for i in batch}
         self.current: tuple[int, dict[int, dict[str, torch.Tensor]]] = (-1, {})
 
     def get(self, i: int, default: Any = None) -> dict[str, torch.Tensor] | None:
-        b = self.batch_of.get(i)
-        if b is None:
+        """Parameter i's state in the optimizer's layout (compact moments decoded: :func:`.portable_codes.decoded`)."""
+        if i not in self.batch_of:
             return default
+        entry = self.saved(i)
+        p = self.found.params[i]
+        return None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry))
+
+    def saved(self, i: int) -> dict[str, torch.Tensor] | None:
+        """Parameter i's state as saved (its step, and its moments and master as read: codes as codes)."""
+        b = self.batch_of[i]
         if not self.moments[i]:
             return None
         if self.current[0] != b:
@@ -316,24 +329,38 @@ class StateReader:
         if any(target[OPTIM].values()):
             f.at.read(target, changed=True)
         steps = f.read[OPTIM]
-        return {j: _owned_entry(f.params[j], {"step": steps[f.names[id(f.params[j])]]["step"], **entry})
+        return {j: {"step": steps[f.names[id(f.params[j])]]["step"], **entry}
                 for j, entry in zip(batch, target[OPTIM].values(), strict=True)}  # fmt: skip
 
 
-def _streamed(found: _Checked, optimizer: Any) -> None:
+def _streamed(found: _Checked, optimizer: Any) -> float:
     """Phase 2 for a TwinFlowAdam: the groups (and the user's own keys), then the weights in place, then the state
     a batch at a time (:class:`StateReader`) through the state owner; under ratio="auto" before its first step,
-    when that step builds the state (the files are read then)."""
+    when that step builds the state (the files are read then). Returns the seconds the weights took."""
     own = {i: {k: v for k, v in entry.items() if k != "step"} for i, entry in enumerate(found.read[OPTIM].values())}
     state = {i: _owned_entry(found.params[i], entry) for i, entry in own.items() if entry}
     _agreed(lambda: _load_groups(found, optimizer, state), "this rank's optimizer took its groups and started afresh")
+    start = time.perf_counter()
     found.at.read({MODEL: found.model_now}, changed=True)  # in place, into the model's own tensors
+    weights = time.perf_counter() - start
     reader, owner = StateReader(found), optimizer.state_owner
     if not owner.built:
         optimizer.pending_state = reader  # its build takes the pending state, a parameter after another
-        return
-    for i in range(len(found.params)):
-        owner.put(i, reader.get(i))
+        return weights
+    owner.check_settled()
+    owner.settle_state()
+    coded, steps = owner.precision.coded_moments, {}
+    for i, p in enumerate(found.params):
+        entry = reader.saved(i)
+        parts = owner.raw(i) if coded and entry is not None else []
+        if entry is not None and portable_codes.fits_as_kept(p, parts, entry):
+            portable_codes.put_as_kept(p, parts, entry)  # its bits: the same as decoded and encoded, sooner
+        else:
+            owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)))
+        if entry is not None:
+            steps[i] = int(entry["step"])
+    owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
+    return weights
 
 
 def _load_groups(found: _Checked, optimizer: Any, state: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -349,7 +376,8 @@ def _whole(found: _Checked, optimizer: Any) -> None:
     optimizer's own ``load_state_dict``, which checks everything before it changes anything (if it refuses, the
     weights go back)."""
     target, model_now = found.read, found.model_now
-    state = {i: _owned_entry(p, target[OPTIM][found.names[id(p)]]) for i, p in enumerate(found.params)}
+    state = {i: _owned_entry(p, portable_codes.decoded(p, target[OPTIM][found.names[id(p)]]))
+             for i, p in enumerate(found.params)}  # fmt: skip
     before = {key: local(now).to("cpu", copy=True) for key, now in model_now.items()}
     with torch.no_grad():
         for key, now in model_now.items():

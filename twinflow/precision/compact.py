@@ -74,12 +74,14 @@ def _pow2(field: torch.Tensor | int) -> torch.Tensor:
     return (torch.as_tensor(field, dtype=torch.int64) << 23).to(torch.int32).view(_F32)
 
 
-def block_shift(scales: torch.Tensor, numel: int, top: int) -> torch.Tensor:
+def block_shift(scales: torch.Tensor, numel: int, top: int, block_of: torch.Tensor | None = None) -> torch.Tensor:
     """Each element's ``D = F - top`` (int64, at least 0): its block's scale field ``F`` (``scales``, one per block
-    of ``numel`` elements) minus the moment's top field (:data:`TOP_FIELD_M` or :data:`TOP_FIELD_V`). Decoding
-    multiplies a code's value by ``2^D``, encoding by ``2^-D``; below the block's lowest binade the codes are
-    ``2^(D - 129)`` apart."""
-    return torch.clamp(_per_element(scales.to(torch.int64), numel) - top, min=0)
+    of ``numel`` elements; `block_of`: each element's block, where they are not counted from the first) minus the
+    moment's top field (:data:`TOP_FIELD_M` or :data:`TOP_FIELD_V`). Decoding multiplies a code's value by
+    ``2^D``, encoding by ``2^-D``; below the block's lowest binade the codes are ``2^(D - 129)`` apart."""
+    fields = scales.to(torch.int64)
+    fields = _per_element(fields, numel) if block_of is None else fields[block_of]
+    return torch.clamp(fields - top, min=0)
 
 
 def _decode(a: torch.Tensor, sign: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -90,15 +92,16 @@ def _decode(a: torch.Tensor, sign: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     return torch.where(wide, x * _pow2(254), x)
 
 
-def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor | None = None) -> torch.Tensor:
+    """exp_avg in float32 from its codes and its blocks' scales (`block_of`: as :func:`block_shift` takes it)."""
     c = codes.to(torch.int64)
-    return _decode(c.abs(), (c < 0).to(torch.int64) << 31, block_shift(scales, c.numel(), TOP_FIELD_M))
+    return _decode(c.abs(), (c < 0).to(torch.int64) << 31, block_shift(scales, c.numel(), TOP_FIELD_M, block_of))
 
 
-def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _decode(
-        codes.to(torch.int64), torch.zeros((), dtype=torch.int64), block_shift(scales, codes.numel(), TOP_FIELD_V)
-    )
+def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor, block_of: torch.Tensor | None = None) -> torch.Tensor:
+    """exp_avg_sq in float32 from its codes and its blocks' scales (`block_of`: as :func:`block_shift` takes it)."""
+    shift = block_shift(scales, codes.numel(), TOP_FIELD_V, block_of)
+    return _decode(codes.to(torch.int64), torch.zeros((), dtype=torch.int64), shift)
 
 
 def hash32(index: torch.Tensor, key: int) -> torch.Tensor:
