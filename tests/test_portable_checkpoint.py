@@ -165,6 +165,27 @@ def test_a_missing_piece_or_sums_file_is_refused_and_nothing_changes(tmp_path) -
     _refused_and_nothing_changed(tmp_path / "ckpt", r"sums.0.json cannot be read.*nothing was changed")
 
 
+def test_a_damaged_index_is_refused_naming_it_and_a_sound_one_is_read_once(tmp_path, monkeypatch) -> None:
+    """DCP's .metadata: unreadable, the load refuses naming it; readable, it is unpickled once, however many
+    batches the state is read in."""
+    model, opt = _single(0)
+    _train(model, opt)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    reads = []
+    read_metadata = portable_load.FileSystemReader.read_metadata
+    monkeypatch.setattr(portable_load.FileSystemReader, "read_metadata",
+                        lambda self, *a, **k: reads.append(1) or read_metadata(self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(portable_load, "CHUNK", 4 * 300)  # four batches of state
+    other, other_opt = _single(1)
+    _train(other, other_opt, 1)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert len(reads) == 1
+    assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
+    index = folder / ".metadata"
+    index.write_bytes(index.read_bytes()[:40])
+    _refused_and_nothing_changed(tmp_path / "ckpt", r"\.metadata cannot be read.*nothing was changed")
+
+
 def test_the_state_of_another_optimizer_is_refused_or_starts_afresh_and_nothing_changes(tmp_path) -> None:
     """A load hands each parameter's state to the optimizer's state owner: state without Adam's keys (Adagrad's
     `sum` and `step`) is refused naming the parameter and the key, as torch-style loads refuse it; state with none

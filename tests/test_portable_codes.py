@@ -11,6 +11,7 @@ import torch
 
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import portable, portable_codes, portable_load
+from twinflow.checkpoint.convert import main as convert_main
 from twinflow.precision import compact
 
 
@@ -180,3 +181,18 @@ def test_codes_load_decoded_into_another_precision(tmp_path, precision: str) -> 
         assert torch.equal(loaded[i]["master"], entry["master"])  # a 24-bit master is a float32 exactly
         for key in ("exp_avg", "exp_avg_sq"):  # int8: encoded again to the nearest, the same codes
             assert torch.equal(loaded[i][key], entry[key]), (i, key)
+
+
+def test_the_per_rank_converter_names_a_portable_checkpoint_and_the_way_forward(tmp_path, capsys) -> None:
+    """``python -m twinflow.convert`` reads the per-rank format; given a portable checkpoint it used to call it
+    "incomplete (no meta.json): it was never finished"."""
+    model, opt = _single(0)
+    _train(model, opt, 1)
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    for tag in ("t", "latest"):
+        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt"), "--safetensors",
+                             str(tmp_path / "hub")]) == 1  # fmt: skip
+        err = capsys.readouterr().err
+        assert "is a portable one" in err and "load_portable" in err and "save_pretrained" in err, err
+        assert "never finished" not in err
+    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "hub").exists()

@@ -467,6 +467,13 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     meta_path = folder / "meta.json"
     if not folder.is_dir():
         raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
+    if not meta_path.is_file() and (folder / ".metadata").is_file() and (folder / "twinflow.pt").is_file():
+        raise CheckpointError(
+            f"checkpoint {tag!r} in {str(directory)!r} is a portable one (saved with portable=True, on PyTorch's "
+            "distributed checkpoint); this reads the per-rank format only. Load it with engine.load_checkpoint, on "
+            "any number of processes, or twinflow.checkpoint.load_portable; for the hub, then "
+            "model.save_pretrained(...)"
+        )
     if not meta_path.is_file():
         raise CheckpointError(
             f"{named_by}checkpoint {tag!r} in {str(directory)!r} is incomplete (no meta.json): it was never "

@@ -17,9 +17,11 @@ the parameter's mesh where it is one). DCP writes each rank's pieces and reads b
 another world needs: a checkpoint of N ranks resumes on M, under DDP, ZeRO-1, FSDP2 or one process, at any ratio
 and in any ``state_precision`` (:mod:`.portable_load` hands the state to the optimizer's state owner).
 
-- **fp32 state is exact.** Compact state is saved decoded (float32) and encoded again at the load, to the nearest
-  code: a block whose elements are the same block after the load (the same parameter cut on a multiple of 256
-  elements) gets its codes and scale back bit for bit; a block cut otherwise is re-encoded, and its stochastic
+- **fp32 state is exact.** Compact state is saved as it is kept (:mod:`.portable_codes`: each moment's codes and
+  block scales, a 24-bit master's two parts) where every rank's elements of a parameter start on a block, else
+  decoded (float32). A load whose elements start on the saved blocks, in the same precision, copies them in; any
+  other decodes and encodes them again to the nearest code: a block that is the same block after the load gets
+  its codes and scale back bit for bit either way; a block cut otherwise is re-encoded, and its stochastic
   rounding's noise follows the elements' new indices.
 - **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
