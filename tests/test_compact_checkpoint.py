@@ -16,7 +16,7 @@ from twinflow import TwinFlowAdam
 from twinflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from twinflow.checkpoint.checkpoint_files import sha256_of
 from twinflow.checkpoint.compact_checkpoint import MAGIC, CompactShard
-from twinflow.checkpoint.convert import main as convert_main
+from twinflow.checkpoint.convert_cli import main as convert_main
 from twinflow.precision import compact
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,11 @@ import torch
 
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import consolidate as consolidate_module
-from twinflow.checkpoint import save_checkpoint
+from twinflow.checkpoint import safetensors_out, save_checkpoint
 from twinflow.checkpoint.checkpoint_files import sha256_of
-from twinflow.checkpoint.consolidate import consolidate, hub_name, parse_size
-from twinflow.checkpoint.convert import main as convert_main
+from twinflow.checkpoint.consolidate import consolidate
+from twinflow.checkpoint.convert_cli import main as convert_main
+from twinflow.checkpoint.safetensors_out import hub_name, parse_size
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -118,13 +119,13 @@ def test_at_most_one_bounded_piece_is_in_memory_at_a_time(tmp_path, monkeypatch,
     model, opt = trained(precision, steps=1)
     save_checkpoint(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     pieces = []
-    write = consolidate_module.write_piece
+    write = safetensors_out.write_piece
 
     def recorded(fd: int, at: int, values: torch.Tensor) -> None:
         pieces.append(values.numel())
         write(fd, at, values)
 
-    monkeypatch.setattr(consolidate_module, "write_piece", recorded)
+    monkeypatch.setattr(safetensors_out, "write_piece", recorded)
     monkeypatch.setattr(consolidate_module, "BATCH", 256)
     consolidate(tmp_path / "ckpt", "t", tmp_path / "hub")
     bound = 256 if precision == "fp32" else CHUNK // 32  # the compact shard's record_elements

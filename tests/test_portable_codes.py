@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import portable, portable_codes, portable_load
-from twinflow.checkpoint.convert import main as convert_main
+from twinflow.checkpoint import CheckpointError, portable, portable_codes, portable_load
+from twinflow.checkpoint.consolidate import consolidate
+from twinflow.checkpoint.convert_cli import main as convert_main
 from twinflow.precision import compact
 
 
@@ -183,16 +184,17 @@ def test_codes_load_decoded_into_another_precision(tmp_path, precision: str) -> 
             assert torch.equal(loaded[i][key], entry[key]), (i, key)
 
 
-def test_the_per_rank_converter_names_a_portable_checkpoint_and_the_way_forward(tmp_path, capsys) -> None:
-    """``python -m twinflow.convert`` reads the per-rank format; given a portable checkpoint it used to call it
-    "incomplete (no meta.json): it was never finished"."""
+def test_the_per_rank_readers_name_a_portable_checkpoint_and_the_way_forward(tmp_path, capsys) -> None:
+    """The per-rank converter's functions used to call a portable checkpoint "incomplete (no meta.json): it was
+    never finished"; ``python -m twinflow.convert`` writes its weights (--safetensors) but no AdamW OUT.pt."""
     model, opt = _single(0)
     _train(model, opt, 1)
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match="is a portable one.*load_portable.*save_pretrained") as refused:
+        consolidate(tmp_path / "ckpt", "t", tmp_path / "hub")
+    assert "never finished" not in str(refused.value)
     for tag in ("t", "latest"):
-        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt"), "--safetensors",
-                             str(tmp_path / "hub")]) == 1  # fmt: skip
+        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt")]) == 1
         err = capsys.readouterr().err
-        assert "is a portable one" in err and "load_portable" in err and "save_pretrained" in err, err
-        assert "never finished" not in err
+        assert "is a portable checkpoint" in err and "load_portable" in err and "--safetensors" in err, err
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "hub").exists()

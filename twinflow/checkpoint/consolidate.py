@@ -34,68 +34,25 @@ into place once complete; the index last.
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from twinflow.base.distributed import local
-from twinflow.base.progress import ByteProgress
 from twinflow.checkpoint.checkpoint_files import (
     CheckpointError,
     hash_error,
     read_meta,
-    rename_into_place,
     sha256_of,
     size_error,
-    temp_path,
-    write_atomic,
 )
 from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.checkpoint.safetensors_out import Out, checked_dtype, hub_names, parse_size, put_values, write_safetensors
 from twinflow.precision import compact
 
 BATCH = 1 << 20  # elements of a torch.save shard's tensor converted and written at once
-INDEX = "model.safetensors.index.json"
-WRAPPERS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
-SAFE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-        torch.bool: "BOOL"}  # fmt: skip
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20,
-         "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``5GB`` (10**9), ``500MiB`` (2**20), or a plain number; ValueError otherwise."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and match.group(2).upper()
-    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1:
-        raise ValueError(f"{text!r} is not a size; expected e.g. 5GB, 500MB, 2GiB or a number of bytes")
-    return int(float(match.group(1)) * UNITS[unit])
-
-
-def hub_name(key: str) -> str:
-    """`key` less a leading ``module.`` (DDP, DataParallel) and the wrappers' segments (FSDP, torch.compile,
-    activation checkpointing)."""
-    while key.startswith("module."):
-        key = key[len("module.") :]
-    return ".".join(part for part in key.split(".") if part not in WRAPPERS)
-
-
-def pwrite_all(fd: int, array: Any, offset: int) -> None:
-    """Writes all of `array`'s bytes at `offset` of the open file `fd`."""
-    view = memoryview(array).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tuple[Path, dict[str, Any]]:
@@ -220,32 +177,7 @@ class _Rank:
         self.f.close()
 
 
-@dataclass
-class _Out:
-    """One tensor of the output: its name, shape and dtype, and where its elements come from: (rank, "master",
-    parameter index, first element) or (rank, "model", key, first element)."""
-
-    name: str
-    shape: list[int]
-    dtype: torch.dtype
-    sources: list[tuple[int, str, Any, int]]
-    file: int = 0
-    offset: int = 0  # of its bytes in its file
-    written: int = 0
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
+def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[Out]:
     """The output's tensors, in rank 0's state-dict order, and where each comes from."""
     if len(ranks) > 1 and any(rank.layout is None for rank in ranks):
         raise CheckpointError(
@@ -260,15 +192,10 @@ def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
                 held.setdefault(names[0], {})[r] = i
             tied.update(names[1:])
     sharded = (ranks[0].layout or {}).get("sharded", {})
-    outs, seen = [], {}
-    for key, shape, kind in ranks[0].model:
-        if key in tied:
-            continue  # written once, under its first name: save_pretrained drops the tied duplicate
-        name = hub_name(key)
-        if name in seen:
-            raise CheckpointError(f"checkpoint {tag!r}: {seen[name]!r} and {key!r} are both {name!r} once the "
-                                  "wrappers' prefixes are stripped")  # fmt: skip
-        seen[name] = key
+    outs = []
+    kinds = {key: (shape, kind) for key, shape, kind in ranks[0].model}
+    for key, name in hub_names(list(kinds), tied, tag):
+        shape, kind = kinds[key]
         out_dtype = dtype if kind.is_floating_point else kind
         if key in sharded:
             if sharded[key] is None:
@@ -281,7 +208,7 @@ def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
                 i = held.get(key, {}).get(r)
                 sources.append((r, "master", i, first) if i is not None else (r, "model", key, first))
                 first += rank.numel[key]
-            out = _Out(name, list(sharded[key]), out_dtype, sources)
+            out = Out(name, list(sharded[key]), out_dtype, sources)
             if first != out.numel:
                 raise CheckpointError(f"checkpoint {tag!r}: the ranks' pieces of {key!r} hold {first} elements, "
                                       f"its shape {out.shape} {out.numel}")  # fmt: skip
@@ -289,7 +216,7 @@ def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
             holders = held.get(key, {})
             r = min(holders) if holders else 0
             source = (r, "master", holders[r], 0) if holders else (0, "model", key, 0)
-            out = _Out(name, list(shape), out_dtype, [source])
+            out = Out(name, list(shape), out_dtype, [source])
         for r, what, ref, _ in out.sources:
             n = ranks[r].masters[ref] if what == "master" else ranks[r].numel[key]
             if n != ranks[r].numel[key]:
@@ -299,53 +226,7 @@ def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[_Out]:
     return outs
 
 
-def _files(outs: list[_Out], max_bytes: int) -> list[list[_Out]]:
-    """The tensors in files of at most `max_bytes` each (a larger tensor alone in its own), in order, as
-    save_pretrained splits them."""
-    files: list[list[_Out]] = [[]]
-    size = 0
-    for out in outs:
-        if files[-1] and size + out.nbytes > max_bytes:
-            files.append([])
-            size = 0
-        out.file = len(files) - 1
-        files[-1].append(out)
-        size += out.nbytes
-    return files
-
-
-def _header(outs: list[_Out]) -> bytes:
-    """The safetensors header (its length, then JSON padded to 8 bytes); sets each tensor's offset."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    at = 0
-    for out in outs:
-        entries[out.name] = {"dtype": SAFE[out.dtype], "shape": out.shape, "data_offsets": [at, at + out.nbytes]}
-        out.offset = at
-        at += out.nbytes
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    for out in outs:
-        out.offset += 8 + len(text)
-    return len(text).to_bytes(8, "little") + text
-
-
-def write_piece(fd: int, offset: int, values: torch.Tensor) -> None:
-    """Writes `values` (a flat batch, already in the output's dtype) at `offset`: the one place bytes go out."""
-    pwrite_all(fd, values.contiguous().view(torch.uint8).numpy(), offset)
-
-
-def _put(fds: list[int], out: _Out, at: int, values: torch.Tensor, tick: Callable[[int], None]) -> None:
-    values = values.reshape(-1).to(out.dtype)
-    write_piece(fds[out.file], out.offset + at * out.dtype.itemsize, values)
-    out.written += values.numel()
-    tick(values.numel() * out.dtype.itemsize)
-
-
-def _no_tick(_: int) -> None:
-    pass
-
-
-def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int], tick: Callable[[int], None]) -> None:
+def _stream(r: int, rank: _Rank, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
     """Writes every piece the output takes from rank `r`'s shard, reading it once, in order; `tick(bytes)` after
     each piece."""
     masters, models = {}, {}
@@ -360,7 +241,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int], tick: Callabl
         for tensor, (out, first) in tensors:
             flat = tensor.reshape(-1)
             for a in range(0, flat.numel(), BATCH):
-                _put(fds, out, first + a, flat[a : a + BATCH], tick)
+                put_values(fds, out, first + a, flat[a : a + BATCH], tick)
         return
     kinds = ("model", "state") if masters else ("model",)
     step = convert_elements(torch.device("cpu"))
@@ -368,7 +249,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int], tick: Callabl
         if record[0] == "model":
             hit = models.get(rank.model[record[1]][0])
             if hit is not None:
-                _put(fds, hit[0], hit[1] + record[2], payload, tick)
+                put_values(fds, hit[0], hit[1] + record[2], payload, tick)
             continue
         _, i, start, end, form = record
         hit = masters.get(i)
@@ -377,24 +258,7 @@ def _stream(r: int, rank: _Rank, outs: list[_Out], fds: list[int], tick: Callabl
         for a in range(0, end - start, step):
             b = min(end - start, a + step)
             values = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
-            _put(fds, hit[0], hit[1] + start + a, values, tick)
-
-
-def _copy_config(source: Path, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-    """config.json from `source` (its dtype set to the one written) and generation_config.json if there."""
-    config = json.loads((source / "config.json").read_text())
-    name = str(dtype).removeprefix("torch.")
-    for key in ("dtype", "torch_dtype"):
-        if key in config:
-            config[key] = name
-    written = [out_dir / "config.json"]
-    write_atomic(written[0], lambda f: f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode()))
-    generation = source / "generation_config.json"
-    if generation.is_file():
-        data = generation.read_bytes()
-        written.append(out_dir / generation.name)
-        write_atomic(written[-1], lambda f: f.write(data))
-    return written
+            put_values(fds, hit[0], hit[1] + start + a, values, tick)
 
 
 def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dtype: str | torch.dtype = "fp32",
@@ -403,67 +267,21 @@ def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dty
     """Writes checkpoint `tag`'s (None or "latest": the latest) model in `directory` to `out_dir` as safetensors
     (module docstring); CheckpointError naming what is wrong. Returns the files written. `progress`: the bytes
     written so far on stderr (a bar on a terminal, else a line every tenth)."""
-    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype={dtype!r}; expected one of {sorted(DTYPES)}")
+    dtype = checked_dtype(dtype, hf_config)
     max_bytes = parse_size(max_shard_size)
-    if hf_config is not None and not (Path(hf_config) / "config.json").is_file():
-        raise CheckpointError(f"--hf-config {hf_config}: no config.json there; pass the folder that "
-                              "model.config.save_pretrained(folder) wrote")  # fmt: skip
     directory, out_dir = Path(directory), Path(out_dir)
     tag, info = read_meta(directory, None if tag == "latest" else tag)
     ranks: list[_Rank] = []
-    temps: list[Path] = []
-    fds: list[int] = []
     try:
         for r in range(info["world_size"]):
             ranks.append(_Rank(directory, tag, info, r))
         outs = _plan(ranks, dtype, tag)
-        files = _files(outs, max_bytes)
-        names = (["model.safetensors"] if len(files) == 1
-                 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])  # fmt: skip
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, group in zip(names, files):
-            temps.append(temp_path(out_dir, name))
-            fds.append(os.open(temps[-1], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
-            head = _header(group)
-            os.pwrite(fds[-1], head, 0)
-            os.ftruncate(fds[-1], len(head) + sum(out.nbytes for out in group))
-        meter = ByteProgress(sum(out.nbytes for out in outs), f"writing {out_dir}") if progress else None
-        for r, rank in enumerate(ranks):
-            _stream(r, rank, outs, fds, meter.update if meter is not None else _no_tick)
-        if meter is not None:
-            meter.close()
-        for out in outs:
-            if out.written != out.numel:
-                raise CheckpointError(f"checkpoint {tag!r}: the shards gave {out.written} of {out.name!r}'s "
-                                      f"{out.numel} elements; their records do not cover it")  # fmt: skip
-        for fd in fds:
-            os.fsync(fd)
-            os.close(fd)
-        fds.clear()
-        written = []
-        for tmp, name in zip(temps, names):
-            rename_into_place(tmp, out_dir / name)
-            written.append(out_dir / name)
-        temps.clear()
-        stale = [p for p in out_dir.glob("model*.safetensors") if p.name not in names]
-        if len(files) > 1:
-            index = {"metadata": {"total_size": sum(out.nbytes for out in outs)},
-                     "weight_map": {out.name: names[out.file] for out in outs}}  # fmt: skip
-            write_atomic(out_dir / INDEX, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()))
-            written.append(out_dir / INDEX)
-        else:
-            stale.append(out_dir / INDEX)
-        for path in stale:  # a conversion before into another number of files: from_pretrained would mix them
-            path.unlink(missing_ok=True)
-        if hf_config is not None:
-            written += _copy_config(Path(hf_config), out_dir, dtype)
-        return written
+
+        def fill(fds: list[int], tick: Callable[[int], None]) -> None:
+            for r, rank in enumerate(ranks):
+                _stream(r, rank, outs, fds, tick)
+
+        return write_safetensors(out_dir, outs, max_bytes, fill, tag, dtype, hf_config, progress)
     finally:
-        for fd in fds:
-            os.close(fd)
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
         for rank in ranks:
             rank.close()

@@ -33,9 +33,7 @@ optimizer that does not take the compact records.
 
 from __future__ import annotations
 
-import argparse
 import struct
-import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +43,6 @@ import torch
 
 from twinflow.checkpoint.checkpoint_files import (
     CheckpointError,
-    format_bytes,
     hash_error,
     read_meta,
     rename_into_place,
@@ -55,7 +52,8 @@ from twinflow.checkpoint.checkpoint_files import (
     write_temp,
 )
 from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
-from twinflow.checkpoint.consolidate import consolidate, parse_size, pwrite_all, shard_file
+from twinflow.checkpoint.consolidate import shard_file
+from twinflow.checkpoint.safetensors_out import pwrite_all
 from twinflow.precision import compact
 from twinflow.precision.compact import BLOCK, blocks
 
@@ -192,55 +190,3 @@ def convert(directory: str | Path, tag: str | None, out: str | Path, rank: int =
             write_temp(tmp, lambda g: save_to_stream(whole["optimizer"], g))
     rename_into_place(tmp, out)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m twinflow.convert",
-        description="Writes a twinflow checkpoint's optimizer state as a torch.optim state dict (float32 "
-        "exp_avg, exp_avg_sq, step; master for bf16/fp16 parameters) to OUT.pt, and/or (--safetensors DIR) the "
-        "model's consolidated weights as safetensors that Hugging Face from_pretrained loads: the optimizer's "
-        "float32 masters where it keeps them, merged across ranks (FSDP2 shards, ZeRO-1). Both are streamed with "
-        "bounded memory.",
-    )
-    parser.add_argument("directory", help="the checkpoint directory (the one given to save_checkpoint)")
-    parser.add_argument("tag", help="the checkpoint's tag, or 'latest'")
-    parser.add_argument("out", nargs="?", help="the optimizer state file to write (read it with torch.load); "
-                        "optional with --safetensors")  # fmt: skip
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose optimizer state to convert (default 0)")
-    parser.add_argument("--safetensors", metavar="DIR", help="also write the model's weights to DIR: "
-                        "model.safetensors, or several files and model.safetensors.index.json")  # fmt: skip
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="the floating weights' dtype in --safetensors (default fp32)")  # fmt: skip
-    parser.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file, e.g. 5GB, "
-                        "500MB, 2GiB (default 5GB; a larger tensor gets a file of its own)")  # fmt: skip
-    parser.add_argument("--hf-config", metavar="HF_DIR", help="a folder with the model's config.json (e.g. "
-                        "from model.config.save_pretrained): copied into --safetensors DIR, so that "
-                        "AutoModelForCausalLM.from_pretrained(DIR) works directly")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.out is None and args.safetensors is None:
-        parser.error("give OUT.pt, --safetensors DIR, or both")
-    if args.hf_config is not None and args.safetensors is None:
-        parser.error("--hf-config goes with --safetensors DIR")
-    try:
-        parse_size(args.max_shard_size)
-    except ValueError as exc:
-        parser.error(f"--max-shard-size: {exc}")
-    try:
-        if args.out is not None:
-            out = convert(args.directory, args.tag, args.out, args.rank)
-            print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
-        if args.safetensors is not None:
-            written = consolidate(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
-                                  args.hf_config, progress=True)  # fmt: skip
-            size = sum(path.stat().st_size for path in written)
-            print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
-    except (CheckpointError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

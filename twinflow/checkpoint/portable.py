@@ -7,7 +7,8 @@ Layout of ``save_portable(directory, tag, ...)``::
       <tag>/.metadata          DCP's index of every tensor's pieces (written last by DCP)
       <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor (an asynchronous save: one file a rank)
       <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
-                               the scheduler, the caller's extra state and meta, the saving world's size
+                               the scheduler, the caller's extra state and meta, the saving world's size, the
+                               tied parameters' names
       <tag>/twinflow.sums.<r>.json  rank r's share of the files' sizes and CRC-32s
 
 Every tensor is saved as the logical tensor it is a piece of, named by the parameter's name in the model: the
@@ -267,6 +268,14 @@ class _ReadWhenWritten(DefaultSavePlanner):
         return scales.data if isinstance(scales, portable_codes.BlockScales) else super().lookup_object(index)
 
 
+def _tied(model: torch.nn.Module) -> dict[str, str]:
+    """Each tied parameter's later names -> its first (an ``lm_head`` sharing the embeddings), for the converter."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {later: every[0] for every in names.values() for later in every[1:]}
+
+
 def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The param groups' hyper-parameters, each with its parameters' names (every rank's, under ZeRO-1)."""
     names = names_of(model)
@@ -428,7 +437,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": extra, "meta": meta, "sums": True}  # fmt: skip
+                "extra": extra, "meta": meta, "sums": True, "tied": _tied(model)}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once

@@ -1,0 +1,182 @@
+"""A portable checkpoint's model as consolidated safetensors that Hugging Face ``from_pretrained`` loads, streamed.
+
+    python -m twinflow.convert CKPT_DIR TAG --safetensors OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
+        [--hf-config HF_DIR]
+
+The same output as :mod:`.consolidate` gives a per-rank checkpoint (its files, index, names and dtypes), from a
+checkpoint saved with ``portable=True`` by any number of ranks:
+
+- **The weights are the optimizer's masters** where the checkpoint keeps them (``master``: float32;
+  ``master.hi`` and ``master.lo``: a 24-bit master, decoded exactly), else the model's tensors.
+- **DCP merges the ranks**: each tensor is read as the logical tensor it was saved as, whatever the saving world's
+  pieces, a batch of rows of ``CHUNK`` elements at most (several small tensors in one batch), and written in place.
+  The host holds one batch (and its float32 conversion), whatever the size of the model.
+- **Checked first**: every file is checked against the save's checksums (:mod:`.portable_sums`) before anything
+  is written; a missing, truncated or damaged file is refused, naming it.
+- **Tied parameters** (an ``lm_head`` sharing the embeddings) are written once, under their first name, where the
+  checkpoint records the ties (saved since this converter existed); an older one writes both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinflow.checkpoint.checkpoint_files import CheckpointError
+from twinflow.checkpoint.portable import INFO, MODEL, OLD, OPTIM, is_portable, tag_of
+from twinflow.checkpoint.portable_codes import HI, LO
+from twinflow.checkpoint.portable_load import MappedReader
+from twinflow.checkpoint.portable_sums import check_files, read_sums
+from twinflow.checkpoint.safetensors_out import (
+    Out,
+    checked_dtype,
+    hub_names,
+    parse_size,
+    put_values,
+    write_safetensors,
+)
+from twinflow.precision import compact
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+except ImportError:  # pragma: no cover (torch >= 2.4 has them)
+    dcp = None
+    DefaultLoadPlanner = object
+
+CHUNK = 1 << 26  # elements read at a time (a tensor's rows; a row longer than this alone)
+
+
+class Rows:
+    """Rows [first, first + count) of a saved tensor of shape `shape`, as a DCP read target: ``data`` (a new host
+    tensor of those rows, in `dtype`) takes whatever saved pieces overlap them."""
+
+    def __init__(self, shape: list[int], first: int, count: int, dtype: torch.dtype) -> None:
+        self.shape, self.first = shape, first
+        self.data = torch.empty([count, *shape[1:]] if shape else [], dtype=dtype)
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        offsets = [self.first] + [0] * (len(self.shape) - 1) if self.shape else []
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=self.data.shape)]
+
+
+class _RowsPlanner(DefaultLoadPlanner):
+    """DCP's load planner over :class:`Rows` targets, by their saved (flat) names, as they are: DCP's set-up
+    replaces what is not a tensor with None, a flattening would take names missing from the read for an older
+    layout's, and DCP looks a piece's target up only in tensors."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self.state_dict[index.fqn].data
+
+
+def _folder(directory: Path, tag: str | None) -> tuple[str, Path]:
+    tag = tag_of(directory, None if tag == "latest" else tag)
+    folder = directory / tag
+    if not folder.exists() and is_portable(directory / (tag + OLD)):
+        folder = directory / (tag + OLD)
+    if not is_portable(folder):
+        raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata)")
+    return tag, folder
+
+
+def _plan(metadata: Any, info: dict[str, Any], dtype: torch.dtype, tag: str) -> list[Out]:
+    """The output's tensors in the model's state-dict order, each with its source: (kind, key), kind "model", "master"
+    (float32) or "m24" (hi and lo), key the saved name."""
+    tied = info.get("tied", {})
+    masters = {}
+    for name, keys in info["state_keys"].items():
+        kind = "m24" if HI in keys else "master" if "master" in keys else None
+        if kind is not None:
+            masters[tied.get(name, name)] = (kind, name)
+    saved = {fqn[len(MODEL) + 1 :]: md for fqn, md in metadata.state_dict_metadata.items()
+             if fqn.startswith(MODEL + ".") and hasattr(md, "size")}  # fmt: skip
+    outs = []
+    for key, name in hub_names(list(saved), tied, tag):
+        md, source = saved[key], masters.get(key, ("model", key))
+        kind = md.properties.dtype
+        outs.append(Out(name, list(md.size), dtype if kind.is_floating_point else kind, [source]))
+    return outs
+
+
+def _pieces(outs: list[Out]) -> list[list[tuple[Out, int, int]]]:
+    """(out, first row, rows) pieces of at most ``CHUNK`` elements, in batches of about ``CHUNK`` elements."""
+    batches: list[list[tuple[Out, int, int]]] = [[]]
+    size = 0
+    for out in outs:
+        rows = out.shape[0] if out.shape else 1
+        per_row = max(1, math.prod(out.shape[1:])) if out.shape else 1
+        step = max(1, CHUNK // per_row)
+        for first in range(0, max(rows, 1), step):
+            count = min(step, rows - first) if out.shape else 1
+            if batches[-1] and size + count * per_row > CHUNK:
+                batches.append([])
+                size = 0
+            batches[-1].append((out, first, count))
+            size += count * per_row
+    return [batch for batch in batches if batch]
+
+
+def _targets(out: Out, first: int, count: int) -> dict[str, Rows]:
+    kind, key = out.sources[0]
+    if kind == "model":  # read straight into the output's dtype
+        return {f"{MODEL}.{key}": Rows(out.shape, first, count, out.dtype)}
+    if kind == "master":
+        return {f"{OPTIM}.{key}.master": Rows(out.shape, first, count, torch.float32)}
+    return {f"{OPTIM}.{key}.{HI}": Rows(out.shape, first, count, torch.bfloat16),
+            f"{OPTIM}.{key}.{LO}": Rows(out.shape, first, count, torch.uint8)}  # fmt: skip
+
+
+def _values(out: Out, read: dict[str, Rows]) -> torch.Tensor:
+    parts = [rows.data.reshape(-1) for rows in read.values()]
+    if out.sources[0][0] != "m24":
+        return parts[0]
+    master = torch.empty(parts[0].numel(), dtype=torch.float32)
+    for a, b in compact.spans(master.numel()):
+        master[a:b] = compact.decode_master(parts[0][a:b], parts[1][a:b])
+    return master
+
+
+def _stream(folder: Path, metadata: Any, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
+    """Reads each batch of pieces from the checkpoint (one DCP read a batch) and writes it in place."""
+    for batch in _pieces(outs):
+        targets = [_targets(out, first, count) for out, first, count in batch]
+        flat = {k: v for t in targets for k, v in t.items()}
+        dcp.load(flat, checkpoint_id=folder, storage_reader=MappedReader(folder, metadata), planner=_RowsPlanner(),
+                 no_dist=True)  # fmt: skip
+        for (out, first, _), read in zip(batch, targets, strict=True):
+            per_row = math.prod(out.shape[1:]) if out.shape else 1
+            put_values(fds, out, first * per_row, _values(out, read), tick)
+
+
+def consolidate_portable(directory: str | Path, tag: str | None, out_dir: str | Path,
+                         dtype: str | torch.dtype = "fp32", max_shard_size: str | int = "5GB",
+                         hf_config: str | Path | None = None, progress: bool = False) -> list[Path]:  # fmt: skip
+    """Writes portable checkpoint `tag`'s (None or "latest": the latest) model in `directory` to `out_dir` as
+    safetensors (module docstring); CheckpointError naming what is wrong. Returns the files written."""
+    dtype = checked_dtype(dtype, hf_config)
+    max_bytes = parse_size(max_shard_size)
+    tag, folder = _folder(Path(directory), tag)
+    info = torch.load(folder / INFO, weights_only=True)
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    check_files(folder, needed, read_sums(folder, info["world_size"]) if info.get("sums") else None)
+    outs = _plan(metadata, info, dtype, tag)
+
+    def fill(fds: list[int], tick: Callable[[int], None]) -> None:
+        _stream(folder, metadata, outs, fds, tick)
+
+    return write_safetensors(Path(out_dir), outs, max_bytes, fill, tag, dtype, hf_config, progress)
