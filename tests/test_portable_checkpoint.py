@@ -90,11 +90,13 @@ def test_under_zero_1_each_ranks_share_of_the_state_comes_together(tmp_path, sav
     assert again["after"] == pytest.approx(first["after"], rel=1e-4)
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_under_zero_1_a_resume_on_as_many_ranks_is_exact(tmp_path, portable: bool) -> None:
+@pytest.mark.parametrize("portable, precision", [(False, "fp32"), (True, "fp32"), (True, "int8_m24")])
+def test_under_zero_1_a_resume_on_as_many_ranks_is_exact(tmp_path, portable: bool, precision: str) -> None:
+    """int8_m24: each rank copies in the codes of the parameters it keeps, and reads nothing of the others'."""
     ckpt = tmp_path / "ckpt"
-    first = _launch(tmp_path, "saved", 2, 1, "fp32", 0.5, "--save", str(ckpt), *([] if portable else ["--per-rank"]))
-    again = _launch(tmp_path, "resumed", 2, 1, "fp32", 0.5, "--load", str(ckpt))
+    how = [] if portable else ["--per-rank"]
+    first = _launch(tmp_path, "saved", 2, 1, precision, 0.5, "--save", str(ckpt), *how)
+    again = _launch(tmp_path, "resumed", 2, 1, precision, 0.5, "--load", str(ckpt))
     assert again["after"] == first["after"]
 
 

@@ -198,3 +198,18 @@ def test_the_per_rank_readers_name_a_portable_checkpoint_and_the_way_forward(tmp
         err = capsys.readouterr().err
         assert "is a portable checkpoint" in err and "load_portable" in err and "--safetensors" in err, err
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "hub").exists()
+
+
+def test_codes_beside_a_float32_master_where_a_master_is_not_kept_in_24_bits(tmp_path, monkeypatch) -> None:
+    """Where some rank's master is not 24-bit (a float16 parameter's on the device), every rank saves the master in
+    float32 beside the moments' codes; it loads to the same state (the 24-bit masters encoded again exactly)."""
+    model, opt = _single(0, torch.bfloat16)
+    _train(model, opt, 3)
+    with monkeypatch.context() as m:
+        m.setattr(portable_codes, "keeps_masters24", lambda parts: False)
+        folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    keys = torch.load(folder / portable.INFO, weights_only=True)["state_keys"]["0.weight"]
+    assert "master" in keys and "exp_avg.codes" in keys and "master.hi" not in keys
+    other, other_opt = _loaded(tmp_path / "ckpt", torch.bfloat16, "cpu")
+    saved, loaded = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(loaded[i][k], v) for i, entry in saved.items() for k, v in entry.items())

@@ -3,6 +3,7 @@ optimizer's masters where it keeps them, the ranks' pieces merged, read a batch 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,9 @@ def test_a_tied_lm_head_is_written_once_and_from_pretrained_ties_it_again(tmp_pa
                          str(tmp_path / "cfg")]) == 0  # fmt: skip
     written = safetensors_torch.load_file(tmp_path / "hub" / "model.safetensors")
     assert "lm_head.weight" not in written and "model.decoder.embed_tokens.weight" in written
+    with open(tmp_path / "hub" / "model.safetensors", "rb") as f:  # the header's order: the model's
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert [k for k in header if k != "__metadata__"] == [k for k in model.state_dict() if k != "lm_head.weight"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub")
     state = opt.state_dict()["state"]
     first = {}

@@ -66,6 +66,7 @@ from twinflow.checkpoint.checkpoint_files import (
     write_atomic,
     write_temp,
 )
+from twinflow.checkpoint.convert import decoded
 from twinflow.optim.cpu_adam import CPUAdam
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.version import __version__
@@ -418,10 +419,6 @@ def load_checkpoint(
             if compact_checkpoint.writes_compact(optimizer):
                 extra = _load_compact(tag, compact, model, optimizer, scheduler)
             else:  # any other optimizer (or TwinFlowAdam before ratio='auto' built): decoded, in memory
-                from twinflow.checkpoint.convert import (
-                    decoded,  # not at the top: `python -m twinflow.checkpoint.convert` runs it fresh
-                )
-
                 extra = _load_shard(tag, decoded(compact), where, model, optimizer, scheduler)
         else:
             data = read_verified(f, tag, path, expected)  # read once: hashed, then loaded from memory

@@ -8,7 +8,7 @@ Layout of ``save_portable(directory, tag, ...)``::
       <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor (an asynchronous save: one file a rank)
       <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
                                the scheduler, the caller's extra state and meta, the saving world's size, the
-                               tied parameters' names
+                               tied parameters' names, the model's keys in order
       <tag>/twinflow.sums.<r>.json  rank r's share of the files' sizes and CRC-32s
 
 Every tensor is saved as the logical tensor it is a piece of, named by the parameter's name in the model: the
@@ -188,8 +188,10 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
     params = [p for group in optimizer.param_groups for p in group["params"]]
     held = [i for i in range(len(params)) if owner.holds(i)]
     coded = owner.precision.coded_moments
-    unaligned = set(gathered({names[id(params[i])]: False for i in held
-                              if coded and not portable_codes.keeps_blocks(params[i], owner.raw(i))}))  # fmt: skip
+    # what keeps a parameter's state from being saved as kept, on any rank (every rank must save the same keys)
+    unlike = set(gathered({(names[id(params[i])], why): False for i in held if coded
+                           for why in _not_as_kept(params[i], owner.raw(i))}))  # fmt: skip
+    unaligned, no24 = ({name for name, why in unlike if why == reason} for reason in ("blocks", "m24"))
     # keys of the user's own beside a parameter's state (opt.state's extras, read without syncing it) are saved too
     extras, _ = optimizer.state_extras()
     for i in held:
@@ -204,13 +206,20 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
             entry.update({m: _Deferred(p, torch.float32, functools.partial(owner.read, i, m)) for m in MOMENTS})
         if owner.locals[i].dtype == torch.float32:
             pass  # the weight is its own master
-        elif as_kept and portable_codes.keeps_masters24(owner.raw(i)):
+        elif as_kept and name not in no24:
             for key, dtype in ((HI, torch.bfloat16), (LO, torch.uint8)):
                 entry[key] = _Deferred(p, dtype, functools.partial(_read_masters24, owner, i, key))
         else:
             entry["master"] = _Deferred(p, torch.float32, functools.partial(owner.read, i, "master"))
         out[name] = entry
     return out
+
+
+def _not_as_kept(p: torch.Tensor, parts: list[Any]) -> list[str]:
+    """Why this rank cannot save parameter `p`'s state (kept in `parts`) as kept: "blocks" (its elements do not start
+    on blocks: moments decoded), "m24" (its masters are not all 24-bit: saved as float32)."""
+    return [why for why, ok in (("blocks", portable_codes.keeps_blocks(p, parts)),
+                                ("m24", portable_codes.keeps_masters24(parts))) if not ok]  # fmt: skip
 
 
 def _read_codes(owner: Any, i: int, moment: str, what: str) -> torch.Tensor:
@@ -437,7 +446,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": extra, "meta": meta, "sums": True, "tied": _tied(model)}  # fmt: skip
+                "extra": extra, "meta": meta, "sums": True, "tied": _tied(model),
+                "model_keys": list(state[MODEL])}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once

@@ -10,7 +10,9 @@ checkpoint saved with ``portable=True`` by any number of ranks:
   ``master.hi`` and ``master.lo``: a 24-bit master, decoded exactly), else the model's tensors.
 - **DCP merges the ranks**: each tensor is read as the logical tensor it was saved as, whatever the saving world's
   pieces, a batch of rows of ``CHUNK`` elements at most (several small tensors in one batch), and written in place.
-  The host holds one batch (and its float32 conversion), whatever the size of the model.
+  The host holds one batch (and its float32 conversion), whatever the size of the model. A checkpoint saved
+  asynchronously (a file a rank) is read by DCP's own reader, which loads each saved piece it reads from whole:
+  there the bound is the largest piece, read again for each batch of it.
 - **Checked first**: every file is checked against the save's checksums (:mod:`.portable_sums`) before anything
   is written; a missing, truncated or damaged file is refused, naming it.
 - **Tied parameters** (an ``lm_head`` sharing the embeddings) are written once, under their first name, where the
@@ -102,6 +104,8 @@ def _plan(metadata: Any, info: dict[str, Any], dtype: torch.dtype, tag: str) -> 
             masters[tied.get(name, name)] = (kind, name)
     saved = {fqn[len(MODEL) + 1 :]: md for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith(MODEL + ".") and hasattr(md, "size")}  # fmt: skip
+    order = {key: n for n, key in enumerate(info.get("model_keys", []))}  # the model's (DCP's is by rank)
+    saved = dict(sorted(saved.items(), key=lambda item: order.get(item[0], len(order))))
     outs = []
     for key, name in hub_names(list(saved), tied, tag):
         md, source = saved[key], masters.get(key, ("model", key))
@@ -168,8 +172,12 @@ def consolidate_portable(directory: str | Path, tag: str | None, out_dir: str | 
     dtype = checked_dtype(dtype, hf_config)
     max_bytes = parse_size(max_shard_size)
     tag, folder = _folder(Path(directory), tag)
-    info = torch.load(folder / INFO, weights_only=True)
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    try:
+        info = torch.load(folder / INFO, weights_only=True)
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: its {INFO} or DCP's .metadata cannot be read ({type(exc).__name__}: "
+                              f"{exc}); convert another tag, or save it again") from exc  # fmt: skip
     needed: dict[str, int] = {}
     for item in metadata.storage_data.values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)

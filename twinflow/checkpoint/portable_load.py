@@ -366,9 +366,12 @@ def _streamed(found: _Checked, optimizer: Any) -> float:
     owner.settle_state()
     coded, steps = owner.precision.coded_moments, {}
     for i, p in enumerate(found.params):
+        parts = owner.raw(i) if coded else None
+        if parts == [] and reader.moments[i]:  # it keeps none of it (ZeRO-1: another rank's): its step, no read
+            steps[i] = int(found.read[OPTIM][found.names[id(p)]]["step"])
+            continue
         entry = reader.saved(i)
-        parts = owner.raw(i) if coded and entry is not None else []
-        if entry is not None and portable_codes.fits_as_kept(p, parts, entry):
+        if entry is not None and parts and portable_codes.fits_as_kept(p, parts, entry):
             portable_codes.put_as_kept(p, parts, entry)  # its bits: the same as decoded and encoded, sooner
         else:
             owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)))

@@ -79,8 +79,7 @@ def block_shift(scales: torch.Tensor, numel: int, top: int, block_of: torch.Tens
     of ``numel`` elements; `block_of`: each element's block, where they are not counted from the first) minus the
     moment's top field (:data:`TOP_FIELD_M` or :data:`TOP_FIELD_V`). Decoding multiplies a code's value by
     ``2^D``, encoding by ``2^-D``; below the block's lowest binade the codes are ``2^(D - 129)`` apart."""
-    fields = scales.to(torch.int64)
-    fields = _per_element(fields, numel) if block_of is None else fields[block_of]
+    fields = _per_element(scales.to(torch.int64), numel) if block_of is None else scales[block_of].to(torch.int64)
     return torch.clamp(fields - top, min=0)
 
 
