@@ -166,17 +166,22 @@ def _logical_index(p: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return sum((i + o) * s for i, o, s in zip(index, offset, _strides(list(p.shape)), strict=True))
 
 
+def masters24_decoded(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """24-bit masters' :data:`HI` and :data:`LO` (any shape) as float32 (flat), a batch at a time (bounded scratch)."""
+    hi, lo = hi.reshape(-1), lo.reshape(-1)
+    master = torch.empty(hi.numel(), dtype=torch.float32)
+    for a, b in compact.spans(hi.numel()):
+        master[a:b] = compact.decode_master(hi[a:b], lo[a:b])
+    return master
+
+
 def decoded(p: torch.Tensor, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`entry` (read: this process's elements of `p`) with each moment saved as codes and scales decoded to
     float32, a batch of elements at a time (its scratch bounded), in this process's layout of `p`."""
     coded = {key_of(moment, what) for moment in MOMENTS for what in (CODES, SCALES)} | {HI, LO}
     out = {k: v for k, v in entry.items() if k not in coded}
     if HI in entry:
-        hi, lo = (local(entry[k]).reshape(-1) for k in (HI, LO))
-        master = torch.empty(hi.numel(), dtype=torch.float32)
-        for a, b in compact.spans(hi.numel()):
-            master[a:b] = compact.decode_master(hi[a:b], lo[a:b])
-        out["master"] = master.reshape(local(p).shape)
+        out["master"] = masters24_decoded(local(entry[HI]), local(entry[LO])).reshape(local(p).shape)
     for moment, decode in _DECODE.items():
         if key_of(moment, CODES) not in entry:
             continue

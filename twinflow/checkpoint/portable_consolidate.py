@@ -28,11 +28,9 @@ from typing import Any
 
 import torch
 
-from twinflow.checkpoint.checkpoint_files import CheckpointError
-from twinflow.checkpoint.portable import INFO, MODEL, OLD, OPTIM, is_portable, tag_of
-from twinflow.checkpoint.portable_codes import HI, LO
-from twinflow.checkpoint.portable_load import MappedReader
-from twinflow.checkpoint.portable_sums import check_files, read_sums
+from twinflow.checkpoint.portable import MODEL, OPTIM
+from twinflow.checkpoint.portable_codes import HI, LO, masters24_decoded
+from twinflow.checkpoint.portable_load import Folder, MappedReader
 from twinflow.checkpoint.safetensors_out import (
     Out,
     checked_dtype,
@@ -41,7 +39,6 @@ from twinflow.checkpoint.safetensors_out import (
     put_values,
     write_safetensors,
 )
-from twinflow.precision import compact
 
 try:
     import torch.distributed.checkpoint as dcp
@@ -81,16 +78,6 @@ class _RowsPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: Any) -> torch.Tensor:
         return self.state_dict[index.fqn].data
-
-
-def _folder(directory: Path, tag: str | None) -> tuple[str, Path]:
-    tag = tag_of(directory, None if tag == "latest" else tag)
-    folder = directory / tag
-    if not folder.exists() and is_portable(directory / (tag + OLD)):
-        folder = directory / (tag + OLD)
-    if not is_portable(folder):
-        raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata)")
-    return tag, folder
 
 
 def _plan(metadata: Any, info: dict[str, Any], dtype: torch.dtype, tag: str) -> list[Out]:
@@ -143,13 +130,8 @@ def _targets(out: Out, first: int, count: int) -> dict[str, Rows]:
 
 
 def _values(out: Out, read: dict[str, Rows]) -> torch.Tensor:
-    parts = [rows.data.reshape(-1) for rows in read.values()]
-    if out.sources[0][0] != "m24":
-        return parts[0]
-    master = torch.empty(parts[0].numel(), dtype=torch.float32)
-    for a, b in compact.spans(master.numel()):
-        master[a:b] = compact.decode_master(parts[0][a:b], parts[1][a:b])
-    return master
+    parts = [rows.data for rows in read.values()]
+    return parts[0] if out.sources[0][0] != "m24" else masters24_decoded(*parts)
 
 
 def _stream(folder: Path, metadata: Any, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
@@ -171,18 +153,10 @@ def consolidate_portable(directory: str | Path, tag: str | None, out_dir: str | 
     safetensors (module docstring); CheckpointError naming what is wrong. Returns the files written."""
     dtype = checked_dtype(dtype, hf_config)
     max_bytes = parse_size(max_shard_size)
-    tag, folder = _folder(Path(directory), tag)
-    try:
-        info = torch.load(folder / INFO, weights_only=True)
-        metadata = dcp.FileSystemReader(folder).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: its {INFO} or DCP's .metadata cannot be read ({type(exc).__name__}: "
-                              f"{exc}); convert another tag, or save it again") from exc  # fmt: skip
-    needed: dict[str, int] = {}
-    for item in metadata.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    check_files(folder, needed, read_sums(folder, info["world_size"]) if info.get("sums") else None)
-    outs = _plan(metadata, info, dtype, tag)
+    at = Folder(Path(directory), None if tag == "latest" else tag)
+    at.check_pieces(at.metadata.storage_data.values())  # every file, before anything is written
+    tag, folder, metadata = at.tag, at.folder, at.metadata
+    outs = _plan(metadata, at.info, dtype, tag)
 
     def fill(fds: list[int], tick: Callable[[int], None]) -> None:
         _stream(folder, metadata, outs, fds, tick)

@@ -117,7 +117,7 @@ class MappedReader(FileSystemReader):
         return True
 
 
-class _Folder:
+class Folder:
     """The tag folder a load reads, its ``twinflow.pt``, and DCP's reads from it."""
 
     def __init__(self, directory: Path, tag: str | None) -> None:
@@ -129,11 +129,12 @@ class _Folder:
             raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata): "
                                   "load another tag, or save it again")  # fmt: skip
         self.folder = folder
-        self.info = torch.load(folder / INFO, weights_only=True)
-        try:  # DCP's index, read once for every read
+        try:  # its twinflow.pt, and DCP's index, read once for every read
+            self.info = torch.load(folder / INFO, weights_only=True)
             self.metadata = FileSystemReader(folder).read_metadata()
         except Exception as exc:
-            raise CheckpointError(f"{folder / '.metadata'} cannot be read ({type(exc).__name__}: {exc}); nothing was "
+            why = f"{type(exc).__name__}: {exc}"
+            raise CheckpointError(f"{folder}: its {INFO} or DCP's .metadata cannot be read ({why}); nothing was "
                                   "changed: load another tag, or save it again") from exc  # fmt: skip
 
     def refused(self, exc: BaseException, changed: bool = False) -> CheckpointError:
@@ -154,9 +155,13 @@ class _Folder:
         except (RuntimeError, ValueError, KeyError) as exc:  # a key missing, or of another shape: DCP names it
             raise CheckpointError(f"checkpoint {self.tag!r} does not fit this run ({exc}); nothing was changed: "
                                   "the model differs from the saved one") from exc  # fmt: skip
+        self.check_pieces(metadata.storage_data[item.storage_index] for item in plan.items)
+
+    def check_pieces(self, pieces: Any) -> None:
+        """Refuses, naming the file, unless every file the saved `pieces` (DCP's storage entries) lie in is there,
+        long enough, and (where the save wrote them) of the sizes and CRC-32s it wrote."""
         needed: dict[str, int] = {}
-        for item in plan.items:
-            info = metadata.storage_data[item.storage_index]
+        for info in pieces:
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         sums = read_sums(self.folder, self.info["world_size"]) if self.info.get("sums") else None
         check_files(self.folder, needed, sums)
@@ -205,7 +210,7 @@ class _Checked:
     names and saved keys, the param groups to load) and what it read: the user's keys and the steps (a TwinFlowAdam),
     or everything (any other optimizer)."""
 
-    at: _Folder
+    at: Folder
     model_now: dict[str, torch.Tensor]
     params: list[torch.Tensor]
     names: dict[int, str]
@@ -235,7 +240,7 @@ def _agreed(what: Any, outcome: str) -> Any:
 def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer: Any, streamed: bool) -> _Checked:
     """Phase 1 (changes nothing): the tag, every parameter's state, DCP's plan and the files it reads; then the
     small part read (a TwinFlowAdam: the user's keys and the steps, checked), or everything (another optimizer)."""
-    at = _Folder(directory, tag)
+    at = Folder(directory, tag)
     info = at.info
     names = names_of(model)
     params = [p for group in optimizer.param_groups for p in group["params"]]
