@@ -23,6 +23,7 @@ and the peak host memory during it (this rank's resident size and the machine's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -32,6 +33,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,6 +92,25 @@ class HostPeak:
                 "machine_above_start_gib": (self.machine_peak - self.before_machine) / GIB}  # fmt: skip
 
 
+@contextlib.contextmanager
+def profiled(on: bool, row: dict, key: str) -> Iterator[None]:
+    """With `on`, the block's 30 functions of most cumulative time and 15 of most own time (cProfile) as row[key]'s
+    lines."""
+    if not on:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+        row[key] = text.getvalue().splitlines()
+
+
 def batch(step: int, rank: int, world: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
     """Step `step`'s global batch (the same for every world size), this rank's slice of it."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -139,7 +160,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--profile", action="store_true", help="--load: the load's 30 costliest calls (cProfile)")
+    parser.add_argument("--profile", action="store_true",
+                        help="the 30 costliest calls of the load, or of the asynchronous save call")  # fmt: skip
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -166,7 +188,7 @@ def main() -> None:
         row["losses_before"], row["seconds_before"] = before
         after = range(args.before, args.before + args.after)
         if args.async_only:
-            with HostPeak() as peak:
+            with HostPeak() as peak, profiled(args.profile, row, "async_save_call_profile"):
                 engine.save_checkpoint(args.ckpt, args.tag, portable=True, asynchronous=True)
             row["async_save_call"] = peak.report()
             with HostPeak() as peak:
@@ -183,7 +205,7 @@ def main() -> None:
         if rank == 0:  # what the synchronous (else the asynchronous) save left on disk
             row["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.ckpt / args.tag).rglob("*") if f.is_file())
         if args.asynchronous and not args.async_only:
-            with HostPeak() as peak:
+            with HostPeak() as peak, profiled(args.profile, row, "async_save_call_profile"):
                 engine.save_checkpoint(args.ckpt, args.tag + "_async", portable=True, asynchronous=True)
             row["async_save_call"] = peak.report()
             first = args.before + args.after
@@ -195,18 +217,9 @@ def main() -> None:
             normal = statistics.median(row["seconds_after"])
             row["async_step_over_normal"] = statistics.median(row["seconds_during_async_save"]) / normal
     else:
-        profile = cProfile.Profile() if args.profile else None
-        with HostPeak() as peak:
-            if profile is not None:
-                profile.enable()
+        with HostPeak() as peak, profiled(args.profile, row, "load_profile"):
             engine.load_checkpoint(args.ckpt, args.tag)
-            if profile is not None:
-                profile.disable()
         row["load"] = peak.report()
-        if profile is not None:  # where the load's time went: the functions of most cumulative time
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
-            row["load_profile"] = text.getvalue().splitlines()
         row["global_steps_loaded"] = engine.global_steps
         first = engine.global_steps
         row["losses_after"], row["seconds_after"] = train(engine, range(first, first + args.after), args, rank,
