@@ -5,6 +5,7 @@
 #   bash benchmarks/run_async_and_hub.sh async MODEL [AFTER_STEPS]   # --save --asynchronous (a synchronous save first)
 #   bash benchmarks/run_async_and_hub.sh async-only MODEL [STEPS]     # the only save is asynchronous (a smaller disk)
 #   bash benchmarks/run_async_and_hub.sh hub MODEL                    # portable_convert_check.py
+# LABEL=x: the JSON files are named x_... (two trees side by side: the first twinflow on PYTHONPATH runs).
 set -uo pipefail
 what=$1
 model=$2
@@ -15,13 +16,13 @@ run="torchrun --standalone --nproc-per-node 1"
 case $what in
 async)
     $run benchmarks/bench_resume.py --model "$model" --config $cfg --ckpt /tmp/ck_a --save --before 6 --after 6 \
-        --asynchronous --async-steps "$steps" --out "$OUT/async_${model}.json" ;;
+        --asynchronous --async-steps "$steps" --out "$OUT/${LABEL:+${LABEL}_}async_${model}.json" ;;
 async-only)
     $run benchmarks/bench_resume.py --model "$model" --config $cfg --ckpt /tmp/ck_a --save --before 8 \
-        --after "$steps" --async-only --profile --out "$OUT/async_only_${model}.json" ;;
+        --after "$steps" --async-only --profile --out "$OUT/${LABEL:+${LABEL}_}async_only_${model}.json" ;;
 hub)
     $run benchmarks/portable_convert_check.py --model "$model" --config $cfg --ckpt /tmp/ck_h \
-        --out "$OUT/hub_${model}.json" ;;
+        --out "$OUT/${LABEL:+${LABEL}_}hub_${model}.json" ;;
 esac
 rc=$?
 rm -rf /tmp/ck_*

@@ -100,22 +100,35 @@ def keeps_masters24(parts: list[Any]) -> bool:
 
 
 def masters24_of(parts: list[Any], what: str) -> torch.Tensor:
-    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, host memory) from the owner's `parts`."""
-    out = []
-    for part in parts:
+    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, new host memory) from the owner's `parts`,
+    each copied once into its place (the weight and its residual joined a batch at a time on their device: the
+    int64 scratch stays bounded)."""
+    lo = what == LO
+    sizes = [part.master[lo].numel() if part.kind == M24 else part.master[0].numel() for part in parts]
+    out = torch.empty(sum(sizes), dtype=torch.uint8 if lo else torch.bfloat16)
+    at = 0
+    for part, size in zip(parts, sizes, strict=True):
         if part.kind == M24:
-            out.append(part.master[what == LO].detach().to("cpu"))
-            continue
-        weight, residual = part.master
-        for a, b in compact.spans(weight.numel()):  # joined a batch at a time: its int64 scratch stays bounded
-            out.append(weight_master.join(weight[a:b], residual[a:b])[what == LO].to("cpu"))
-    return torch.cat(out)
+            out[at : at + size].copy_(part.master[lo].detach().reshape(-1))
+        else:
+            weight, residual = part.master
+            for a, b in compact.spans(size):
+                out[at + a : at + b].copy_(weight_master.join(weight[a:b], residual[a:b])[lo].reshape(-1))
+        at += size
+    return out
 
 
 def codes_of(parts: list[Any], moment: str, what: str) -> torch.Tensor:
-    """This process's codes (flat) or block scales of `moment`, in host memory, from the owner's `parts`."""
+    """This process's codes (flat) or block scales of `moment`, in new host memory, from the owner's `parts` (each
+    copied once into its place)."""
     which = list(MOMENTS).index(moment) * 2 + (what == SCALES)
-    return torch.cat([part.codes[which].detach().to("cpu") for part in parts])
+    pieces = [part.codes[which].detach().reshape(-1) for part in parts]
+    out = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.uint8 if what == SCALES else MOMENTS[moment])
+    at = 0
+    for piece in pieces:
+        out[at : at + piece.numel()].copy_(piece)
+        at += piece.numel()
+    return out
 
 
 class BlockScales:
