@@ -29,7 +29,7 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   previous tags loadable, and the next save removes what it left.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
   each to a file of its own (:class:`_Deferred`): the peak follows the largest tensor, not the model. An
-  asynchronous save copies the state to host memory first (:mod:`.portable_stage`, several tensors at a time).
+  asynchronous save copies the state to host memory first.
 - **Checksums.** Each rank sums its share of the written files (:mod:`.portable_sums`) before the tag is put in
   place; the load (:mod:`.portable_load`) checks everything it will read before it changes anything, and then
   reads the state a batch at a time.
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
-from twinflow.checkpoint import portable_codes, portable_stage
+from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
 from twinflow.checkpoint.portable_sums import write_sums
@@ -254,18 +254,6 @@ def _with(state: dict[str, dict[str, Any]], each: Any) -> dict[str, dict[str, An
                                          for name, entry in state[OPTIM].items()}}  # fmt: skip
 
 
-def _staged(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """An asynchronous save's copy of `state` in new host memory (:mod:`.portable_stage`): the model's tensors
-    copied, each deferred one read as its logical tensor."""
-    out = {MODEL: dict(state[MODEL]), OPTIM: {name: dict(entry) for name, entry in state[OPTIM].items()}}
-    places = [(part, key) for part in (out[MODEL], *out[OPTIM].values()) for key in part]
-    jobs = [part[key].logical if isinstance(part[key], _Deferred | _DeferredScales)
-            else functools.partial(portable_stage.host_copy, part[key]) for part, key in places]  # fmt: skip
-    for (part, key), copy in zip(places, portable_stage.staged(jobs), strict=True):
-        part[key] = copy
-    return out
-
-
 class _ReadWhenWritten(DefaultSavePlanner):
     """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it."""
 
@@ -378,6 +366,33 @@ def wait_pending() -> Path | None:
     return last
 
 
+def _host_copy(tree: Any) -> Any:
+    """`tree` with every tensor copied into new host memory (a DTensor: its local piece, over the same mesh), so
+    that training may change the originals while the copy is written."""
+    if isinstance(tree, dict):
+        return {k: _host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):  # a DTensor's copy keeps its mesh, its piece in host memory
+        return tree.detach().to("cpu", copy=True)
+    return tree
+
+
+class _AlreadyStaged:
+    """DCP's staging step for a state dict :func:`_host_copy` made: nothing more to copy (DCP's own stager copies
+    every tensor again, and failed on FSDP2's DTensors here: "copy_() on an invalid python storage")."""
+
+    _synchronize_after_execute = True
+    should_synchronize_after_execute = True
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 _checkpoint_group: tuple[Any, Any] | None = None  # (the default group it was made under, the gloo group)
 
 
@@ -435,9 +450,9 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
                 "model_keys": list(state[MODEL])}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
-        copy = _staged(state)  # each tensor copied once
+        copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
-                                async_stager=portable_stage.AlreadyStaged(), planner=_ReadWhenWritten({}))  # fmt: skip
+                                async_stager=_AlreadyStaged(), planner=_ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]
