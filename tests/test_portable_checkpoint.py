@@ -3,6 +3,7 @@ checkpoint), on the CPU with gloo: the resumed run's losses against the saving r
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -519,3 +520,49 @@ def test_a_tensor_of_the_users_own_beside_a_parameters_state_is_saved_and_comes_
     portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert torch.equal(other_opt.state[other[0].weight]["ema"], ema)
     assert "ema" not in other_opt.state[other[2].weight]
+
+
+@pytest.mark.parametrize("how", ["load_portable", "load_state_dict"])
+def test_a_copy_made_before_an_auto_ratio_builds_keeps_the_loaded_state(tmp_path, how: str) -> None:
+    """A load under ratio="auto" waits for the first step's build; a deepcopy of the model and optimizer made
+    meanwhile (a framework's EMA or evaluation copy) holds the loaded state too, and steps as the saved run."""
+    model, opt = _single(0)
+    _train(model, opt, 3)
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
+    other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio="auto")
+    if how == "load_portable":
+        portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    else:
+        other.load_state_dict(model.state_dict())
+        # a state dict of its own (as torch.load gives one): a live optimizer's state_dict() hands out its device
+        # share's tensors themselves, as torch.optim's do, and the pending state would follow them as it trains
+        other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin = copy.deepcopy({"model": other, "opt": other_opt})
+    _train(model, opt)
+    for m, o in ((other, other_opt), (twin["model"], twin["opt"])):
+        _train(m, o)
+        for a, b in zip(model.parameters(), m.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        assert o.state_dict()["state"][0]["step"] == 5
+
+
+@pytest.mark.parametrize("key", ["exp_avg.codes", "master.hi", "step.note"])
+def test_a_key_of_the_users_own_that_a_load_would_read_as_state_is_refused_by_name(tmp_path, key: str) -> None:
+    """A key of the user's own in opt.state is saved beside the state; one named as the format's parts are
+    (``exp_avg.codes``, ``master.hi``) would be read back as state: the save refuses it, naming it, and no tag
+    appears."""
+    model, opt = _single(0)
+    _train(model, opt)
+    first = next(iter(model.parameters()))
+    opt.state[first][key] = torch.ones_like(first)
+    with pytest.raises(ValueError, match=f"has the key '{key}'.*rename it"):
+        portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    assert not (tmp_path / "ckpt" / "t").exists() and not (tmp_path / "ckpt" / "latest").exists()
+    opt.state[first]["my_note"] = torch.full_like(first, 3.0)
+    del opt.state[first][key]
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)  # any other key of its own is saved
+    other, other_opt = _single(1)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert other_opt.state[next(iter(other.parameters()))]["my_note"].equal(torch.full_like(first, 3.0))

@@ -134,6 +134,7 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in state.items():
         p = params[index]
+        portable_codes.check_user_keys(names[id(p)], entry)
         out[names[id(p)]] = {key: _host_state_tensor(p, v)
                              for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
     return out
@@ -196,6 +197,7 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
     extras, _ = optimizer.state_extras()
     for i in held:
         p, name = params[i], names[id(params[i])]
+        portable_codes.check_user_keys(name, extras.get(i, {}))
         own = {k: _host_state_tensor(p, v)
                for k, v in extras.get(i, {}).items() if isinstance(v, torch.Tensor)}  # fmt: skip
         entry = {**own, "step": torch.tensor(float(owner.steps[i]))}

@@ -47,6 +47,19 @@ HI, LO = "master.hi", "master.lo"  # a 24-bit master's top 16 bits (bfloat16) an
 _DECODE = {"exp_avg": compact.decode_exp_avg, "exp_avg_sq": compact.decode_exp_avg_sq}
 
 
+OWNED = ("step", "exp_avg", "exp_avg_sq", "master")  # the keys the optimizer's state owner keeps
+
+
+def check_user_keys(name: str, keys: Any) -> None:
+    """Refuses (ValueError, naming it) a key of the user's own in parameter `name`'s state that a load would read as
+    part of the state: ``<owned key>.<anything>`` (``exp_avg.codes``, ``master.hi``: the format's own)."""
+    for key in keys:
+        if key not in OWNED and moment_of(key) in OWNED:
+            raise ValueError(f"the optimizer state of {name} has the key {key!r}: keys named '<key>.<anything>' "
+                             f"for {list(OWNED)} are the portable checkpoint's own (codes, block scales, 24-bit "
+                             f"masters); rename it (e.g. {key.replace('.', '_')!r}) and save again")  # fmt: skip
+
+
 def key_of(moment: str, what: str) -> str:
     """The saved key of a moment's `what` (:data:`CODES` or :data:`SCALES`)."""
     return f"{moment}.{what}"

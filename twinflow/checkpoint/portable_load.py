@@ -48,7 +48,7 @@ from twinflow.checkpoint.portable import (
     planned_tensor,
     tag_of,
 )
-from twinflow.checkpoint.portable_codes import moment_of
+from twinflow.checkpoint.portable_codes import OWNED, moment_of
 from twinflow.checkpoint.portable_sums import check_files, read_sums
 
 try:
@@ -62,7 +62,6 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
-OWNED = ("step", "exp_avg", "exp_avg_sq", "master")  # the keys the optimizer's state owner keeps
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 

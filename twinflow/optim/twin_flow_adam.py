@@ -377,8 +377,10 @@ def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
     TwinFlowAdam.__init__(opt, state["param_groups"], **hyper, **settings)
     opt.coordinator.skipped_steps = ours["skipped_steps"]
     split = opt.coordinator.split
-    if ours["state"]:
+    if ours["state"] and split.built:
         split.load(ours["state"])
+    elif ours["state"]:  # ratio='auto' still to decide: its build takes the state
+        opt.pending_state = ours["state"]
     per_param, other = ours.get("extras", ({}, {}))
     return {**other, **{split.params[i]: entry for i, entry in per_param.items()}}
 
@@ -397,6 +399,9 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
         split.check_settled()  # between backward and step() the CPU may still be writing the state
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in split.export().items()}
+    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too (a reader: read now)
+        entries = ((i, opt.pending_state.get(i)) for i in range(len(split.params)))
+        state = {i: {k: torch.as_tensor(v).clone() for k, v in e.items()} for i, e in entries if e is not None}
     settings = {key: getattr(opt, key) for key in _SETTINGS}
     ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps, "extras": opt.state.extras()}
     return {"defaults": opt.defaults, "param_groups": opt.param_groups, "twinflow": ours}
