@@ -433,15 +433,22 @@ def test_a_portable_save_of_compact_state_decodes_a_tensor_at_a_time_and_keeps_n
     assert result["kept"] < 4 * result["largest"], result
 
 
-def test_under_an_auto_ratio_the_state_is_read_when_the_first_step_builds_it(tmp_path, monkeypatch) -> None:
-    """ratio="auto" builds the state at the first step: the load checks everything and reads the weights then, and
-    the state only when that step builds it, a batch at a time; the run goes on as the saved one."""
+def _saved_and_an_auto_ratio(tmp_path: Path) -> tuple[torch.nn.Module, TwinFlowAdam, torch.nn.Module, TwinFlowAdam]:
+    """A model and optimizer trained 3 steps and saved as tag "t" in tmp_path/ckpt, and another model (other weights)
+    with a TwinFlowAdam under ratio="auto", not built yet."""
     model, opt = _single(0)
     _train(model, opt, 3)
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     torch.manual_seed(1)
     other = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
     other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio="auto")
+    return model, opt, other, other_opt
+
+
+def test_under_an_auto_ratio_the_state_is_read_when_the_first_step_builds_it(tmp_path, monkeypatch) -> None:
+    """ratio="auto" builds the state at the first step: the load checks everything and reads the weights then, and
+    the state only when that step builds it, a batch at a time; the run goes on as the saved one."""
+    model, opt, other, other_opt = _saved_and_an_auto_ratio(tmp_path)
     reads = _state_reads(monkeypatch)
     portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert sum(reads) == 4  # the steps only (a number a parameter, checked first): no moment before the build
@@ -526,12 +533,7 @@ def test_a_tensor_of_the_users_own_beside_a_parameters_state_is_saved_and_comes_
 def test_a_copy_made_before_an_auto_ratio_builds_keeps_the_loaded_state(tmp_path, how: str) -> None:
     """A load under ratio="auto" waits for the first step's build; a deepcopy of the model and optimizer made
     meanwhile (a framework's EMA or evaluation copy) holds the loaded state too, and steps as the saved run."""
-    model, opt = _single(0)
-    _train(model, opt, 3)
-    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
-    torch.manual_seed(1)
-    other = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
-    other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio="auto")
+    model, opt, other, other_opt = _saved_and_an_auto_ratio(tmp_path)
     if how == "load_portable":
         portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     else:
