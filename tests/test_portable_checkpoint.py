@@ -302,6 +302,8 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path, precisi
     assert not (tmp_path / "ckpt" / "a").exists() and not (tmp_path / "ckpt" / "latest").exists()
     folder = pending.wait()
     assert folder == tmp_path / "ckpt" / "a" and (tmp_path / "ckpt" / "latest").read_text() == "a"
+    pieces = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata().storage_data.values()
+    assert len({piece.relative_path for piece in pieces}) == len(pieces) > 8  # a file a tensor: a load maps them
     portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
     _train(other, other_opt, 1)

@@ -5,7 +5,7 @@ Layout of ``save_portable(directory, tag, ...)``::
     directory/
       latest                   the newest complete tag (written last, atomically)
       <tag>/.metadata          DCP's index of every tensor's pieces (written last by DCP)
-      <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor (an asynchronous save: one file a rank)
+      <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor
       <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
                                the scheduler, the caller's extra state and meta, the saving world's size, the
                                tied parameters' names, the model's keys in order
@@ -454,6 +454,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
+                                storage_writer=dcp.FileSystemWriter(saving, single_file_per_rank=False),
                                 async_stager=_AlreadyStaged(), planner=_ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))

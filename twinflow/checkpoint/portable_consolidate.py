@@ -11,8 +11,8 @@ checkpoint saved with ``portable=True`` by any number of ranks:
 - **DCP merges the ranks**: each tensor is read as the logical tensor it was saved as, whatever the saving world's
   pieces, a batch of rows of ``CHUNK`` elements at most (several small tensors in one batch), and written in place.
   The host holds one batch (and its float32 conversion), whatever the size of the model. A checkpoint saved
-  asynchronously (a file a rank) is read by DCP's own reader, which loads each saved piece it reads from whole:
-  there the bound is the largest piece, read again for each batch of it.
+  asynchronously before its save wrote a file a tensor (one file a rank) is read by DCP's own reader, which loads
+  each saved piece it reads from whole: there the bound is the largest piece, read again for each batch of it.
 - **Checked first**: every file is checked against the save's checksums (:mod:`.portable_sums`) before anything
   is written; a missing, truncated or damaged file is refused, naming it.
 - **Tied parameters** (an ``lm_head`` sharing the embeddings) are written once, under their first name, where the

@@ -76,13 +76,13 @@ def host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 
 class MappedReader(FileSystemReader):
-    """DCP's file reader, except that a tensor alone in its file (the synchronous save's layout: a file a tensor) is
-    mapped (``torch.load(mmap=True)``) and copied from the page cache into its target once; DCP's own reader reads
-    each piece into a new tensor first, then copies it (1.7x the time of this at one thread, 268M parameters). Any
-    other piece (an asynchronous save's file of many, a file of another size than DCP's index says: damaged) and a
-    file that cannot be mapped go to DCP's reader, which reads or refuses them as before. `metadata`: DCP's index of
-    the folder as read before (a load reads a batch at a time: unpickling it again for each took 5 s of a 40 s
-    load of OPT-2.7B)."""
+    """DCP's file reader, except that a tensor alone in its file (the save's layout: a file a tensor) is mapped
+    (``torch.load(mmap=True)``) and copied from the page cache into its target once; DCP's own reader reads each
+    piece into a new tensor first, then copies it (1.7x the time of this at one thread, 268M parameters). Any other
+    piece (a file of many: an asynchronous save's before it wrote a file a tensor; a file of another size than
+    DCP's index says: damaged) and a file that cannot be mapped go to DCP's reader, which reads or refuses them as
+    before. `metadata`: DCP's index of the folder as read before (a load reads a batch at a time: unpickling it
+    again for each took 5 s of a 40 s load of OPT-2.7B)."""
 
     def __init__(self, path: Path, metadata: Any = None) -> None:
         super().__init__(path)
