@@ -542,7 +542,9 @@ def test_a_copy_made_before_an_auto_ratio_builds_keeps_the_loaded_state(tmp_path
         other.load_state_dict(model.state_dict())
         # a state dict of its own (as torch.load gives one): a live optimizer's state_dict() hands out its device
         # share's tensors themselves, as torch.optim's do, and the pending state would follow them as it trains
-        other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"][0]["note"] = "a key of the user's own, not a tensor"  # torch keeps it; the copy too
+        other_opt.load_state_dict(saved)
     twin = copy.deepcopy({"model": other, "opt": other_opt})
     _train(model, opt)
     for m, o in ((other, other_opt), (twin["model"], twin["opt"])):
@@ -563,10 +565,24 @@ def test_a_key_of_the_users_own_that_a_load_would_read_as_state_is_refused_by_na
     opt.state[first][key] = torch.ones_like(first)
     with pytest.raises(ValueError, match=f"has the key '{key}'.*rename it"):
         portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
-    assert not (tmp_path / "ckpt" / "t").exists() and not (tmp_path / "ckpt" / "latest").exists()
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written
     opt.state[first]["my_note"] = torch.full_like(first, 3.0)
+    opt.state[first]["master.comment"] = "not a tensor: not saved, so not refused"
     del opt.state[first][key]
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)  # any other key of its own is saved
     other, other_opt = _single(1)
     portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert other_opt.state[next(iter(other.parameters()))]["my_note"].equal(torch.full_like(first, 3.0))
+
+
+def test_another_optimizers_key_named_as_the_formats_parts_is_refused_too(tmp_path) -> None:
+    """The same refusal for an optimizer other than TwinFlowAdam (its state saved from its state_dict)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.state[model.weight]["exp_avg.mine"] = torch.zeros_like(model.weight)
+    with pytest.raises(ValueError, match="weight has the key 'exp_avg.mine'"):
+        portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    assert not (tmp_path / "ckpt").exists()

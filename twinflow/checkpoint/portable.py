@@ -134,7 +134,6 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in state.items():
         p = params[index]
-        portable_codes.check_user_keys(names[id(p)], entry)
         out[names[id(p)]] = {key: _host_state_tensor(p, v)
                              for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
     return out
@@ -197,7 +196,6 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
     extras, _ = optimizer.state_extras()
     for i in held:
         p, name = params[i], names[id(params[i])]
-        portable_codes.check_user_keys(name, extras.get(i, {}))
         own = {k: _host_state_tensor(p, v)
                for k, v in extras.get(i, {}).items() if isinstance(v, torch.Tensor)}  # fmt: skip
         entry = {**own, "step": torch.tensor(float(owner.steps[i]))}
@@ -436,6 +434,9 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     directory = Path(directory)
     final, saving = directory / tag, directory / f"{tag}{SAVING}"
     wait_pending()  # this process's asynchronous saves end first (every rank has them)
+    refused = gathered({rank: portable_codes.refused_key(names_of(model), optimizer)})
+    if any(why is not None for why in refused.values()):  # every rank refuses, before anything is written
+        raise ValueError(min((r, why) for r, why in refused.items() if why is not None)[1])
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for left in directory.glob(f"*{SAVING}"):  # what a killed save left

@@ -50,14 +50,31 @@ _DECODE = {"exp_avg": compact.decode_exp_avg, "exp_avg_sq": compact.decode_exp_a
 OWNED = ("step", "exp_avg", "exp_avg_sq", "master")  # the keys the optimizer's state owner keeps
 
 
-def check_user_keys(name: str, keys: Any) -> None:
-    """Refuses (ValueError, naming it) a key of the user's own in parameter `name`'s state that a load would read as
-    part of the state: ``<owned key>.<anything>`` (``exp_avg.codes``, ``master.hi``: the format's own)."""
-    for key in keys:
-        if key not in OWNED and moment_of(key) in OWNED:
+def check_user_keys(name: str, entry: dict[Any, Any]) -> None:
+    """Refuses (ValueError, naming it) a key of the user's own in parameter `name`'s state `entry` that a load would
+    read as part of the state: a tensor under ``<owned key>.<anything>`` (``exp_avg.codes``, ``master.hi``: the
+    format's own). What is not a tensor is not saved."""
+    for key, value in entry.items():
+        if isinstance(key, str) and isinstance(value, torch.Tensor) and key not in OWNED and moment_of(key) in OWNED:
             raise ValueError(f"the optimizer state of {name} has the key {key!r}: keys named '<key>.<anything>' "
                              f"for {list(OWNED)} are the portable checkpoint's own (codes, block scales, 24-bit "
                              f"masters); rename it (e.g. {key.replace('.', '_')!r}) and save again")  # fmt: skip
+
+
+def refused_key(names: dict[int, str], optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this rank's optimizer state cannot be saved (:func:`check_user_keys`), or None; `names`: each parameter's
+    name by its identity."""
+    if hasattr(optimizer, "state_extras"):  # a TwinFlowAdam: its extras, read without syncing opt.state
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        entries = {names[id(params[i])]: entry for i, entry in optimizer.state_extras()[0].items()}
+    else:
+        entries = {names.get(id(p), "a parameter"): entry for p, entry in optimizer.state.items()}
+    try:
+        for name, entry in entries.items():
+            check_user_keys(name, entry)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def key_of(moment: str, what: str) -> str:

@@ -399,9 +399,12 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
         split.check_settled()  # between backward and step() the CPU may still be writing the state
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in split.export().items()}
-    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too (a reader: read now)
-        entries = ((i, opt.pending_state.get(i)) for i in range(len(split.params)))
-        state = {i: {k: torch.as_tensor(v).clone() for k, v in e.items()} for i, e in entries if e is not None}
+    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too (a reader: read now,
+        # decoded: new tensors; a state dict's entries copied; the user's own keys travel in the extras below)
+        pending, read = opt.pending_state, not isinstance(opt.pending_state, dict)
+        entries = ((i, pending.get(i)) for i in range(len(split.params)))
+        state = {i: {k: v if read else torch.as_tensor(v).clone() for k, v in e.items() if k in ENTRY_KEYS}
+                 for i, e in entries if e is not None}  # fmt: skip
     settings = {key: getattr(opt, key) for key in _SETTINGS}
     ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps, "extras": opt.state.extras()}
     return {"defaults": opt.defaults, "param_groups": opt.param_groups, "twinflow": ours}
