@@ -50,31 +50,27 @@ _DECODE = {"exp_avg": compact.decode_exp_avg, "exp_avg_sq": compact.decode_exp_a
 OWNED = ("step", "exp_avg", "exp_avg_sq", "master")  # the keys the optimizer's state owner keeps
 
 
-def check_user_keys(name: str, entry: dict[Any, Any]) -> None:
-    """Refuses (ValueError, naming it) a key of the user's own in parameter `name`'s state `entry` that a load would
-    read as part of the state: a tensor under ``<owned key>.<anything>`` (``exp_avg.codes``, ``master.hi``: the
-    format's own). What is not a tensor is not saved."""
+def user_key_refusal(name: str, entry: dict[Any, Any]) -> str | None:
+    """Why a key of the user's own in parameter `name`'s state `entry` cannot be saved (None: every one can): a load
+    would read a tensor under ``<owned key>.<anything>`` (``exp_avg.codes``, ``master.hi``: the format's own) as part
+    of the state. What is not a tensor is not saved."""
     for key, value in entry.items():
         if isinstance(key, str) and isinstance(value, torch.Tensor) and key not in OWNED and moment_of(key) in OWNED:
-            raise ValueError(f"the optimizer state of {name} has the key {key!r}: keys named '<key>.<anything>' "
-                             f"for {list(OWNED)} are the portable checkpoint's own (codes, block scales, 24-bit "
-                             f"masters); rename it (e.g. {key.replace('.', '_')!r}) and save again")  # fmt: skip
+            return (f"the optimizer state of {name} has the key {key!r}: keys named '<key>.<anything>' for "
+                    f"{list(OWNED)} are the portable checkpoint's own (codes, block scales, 24-bit masters); rename "
+                    f"it (e.g. {key.replace('.', '_')!r}) and save again")  # fmt: skip
+    return None
 
 
 def refused_key(names: dict[int, str], optimizer: torch.optim.Optimizer) -> str | None:
-    """Why this rank's optimizer state cannot be saved (:func:`check_user_keys`), or None; `names`: each parameter's
-    name by its identity."""
+    """Why this rank's optimizer state cannot be saved (:func:`user_key_refusal`), or None; `names`: each
+    parameter's name by its identity."""
     if hasattr(optimizer, "state_extras"):  # a TwinFlowAdam: its extras, read without syncing opt.state
         params = [p for group in optimizer.param_groups for p in group["params"]]
         entries = {names[id(params[i])]: entry for i, entry in optimizer.state_extras()[0].items()}
     else:
         entries = {names.get(id(p), "a parameter"): entry for p, entry in optimizer.state.items()}
-    try:
-        for name, entry in entries.items():
-            check_user_keys(name, entry)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return next((why for name, entry in entries.items() if (why := user_key_refusal(name, entry))), None)
 
 
 def key_of(moment: str, what: str) -> str:
@@ -129,36 +125,38 @@ def keeps_masters24(parts: list[Any]) -> bool:
     return bool(parts) and all(part.kind in (M24, RESIDUAL) for part in parts)
 
 
-def masters24_of(parts: list[Any], what: str) -> torch.Tensor:
-    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, new host memory) from the owner's `parts`,
-    each copied once into its place (the weight and its residual joined a batch at a time on their device: the
-    int64 scratch stays bounded)."""
-    lo = what == LO
-    sizes = [part.master[lo].numel() if part.kind == M24 else part.master[0].numel() for part in parts]
-    out = torch.empty(sum(sizes), dtype=torch.uint8 if lo else torch.bfloat16)
-    at = 0
-    for part, size in zip(parts, sizes, strict=True):
-        if part.kind == M24:
-            out[at : at + size].copy_(part.master[lo].detach().reshape(-1))
-        else:
-            weight, residual = part.master
-            for a, b in compact.spans(size):
-                out[at + a : at + b].copy_(weight_master.join(weight[a:b], residual[a:b])[lo].reshape(-1))
-        at += size
+def _flat(pieces: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The `pieces` (an iterable of tensors, on any device) one after another in new flat host memory of `numel`
+    elements: each copied once into its place."""
+    out, at = torch.empty(numel, dtype=dtype), 0
+    for piece in pieces:
+        out[at : at + piece.numel()].copy_(piece.detach().reshape(-1))
+        at += piece.numel()
     return out
+
+
+def masters24_of(parts: list[Any], what: str) -> torch.Tensor:
+    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, new host memory) from the owner's `parts`
+    (the weight and its residual joined a batch at a time on their device: the int64 scratch stays bounded)."""
+    lo = what == LO
+
+    def pieces() -> Any:
+        for part in parts:
+            if part.kind == M24:
+                yield part.master[lo]
+                continue
+            weight, residual = part.master
+            for a, b in compact.spans(weight.numel()):
+                yield weight_master.join(weight[a:b], residual[a:b])[lo]
+
+    return _flat(pieces(), sum(part.master[0].numel() for part in parts), torch.uint8 if lo else torch.bfloat16)
 
 
 def codes_of(parts: list[Any], moment: str, what: str) -> torch.Tensor:
-    """This process's codes (flat) or block scales of `moment`, in new host memory, from the owner's `parts` (each
-    copied once into its place)."""
+    """This process's codes (flat) or block scales of `moment`, in new host memory, from the owner's `parts`."""
     which = list(MOMENTS).index(moment) * 2 + (what == SCALES)
-    pieces = [part.codes[which].detach().reshape(-1) for part in parts]
-    out = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.uint8 if what == SCALES else MOMENTS[moment])
-    at = 0
-    for piece in pieces:
-        out[at : at + piece.numel()].copy_(piece)
-        at += piece.numel()
-    return out
+    pieces = [part.codes[which] for part in parts]
+    return _flat(pieces, sum(piece.numel() for piece in pieces), torch.uint8 if what == SCALES else MOMENTS[moment])
 
 
 class BlockScales:
