@@ -334,6 +334,27 @@ def test_an_asynchronous_save_after_the_process_group_was_made_again(tmp_path) -
         assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), model.parameters()))
 
 
+def test_an_asynchronous_save_where_torch_cannot_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    model, opt = _single(0)
+    _train(model, opt)
+    monkeypatch.setattr(portable, "ASYNC_SAVE", False)  # as on torch < 2.9, whose async_save takes no stager
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.9 .*asynchronous=False"):
+        portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True)
+    assert not (tmp_path / "ckpt").exists()
+    portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt)  # the synchronous save still works
+    assert (tmp_path / "ckpt" / "latest").read_text() == "a"
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_on_gpus_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path, precision: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt), "--asynchronous", backend="nccl")
+    again = _launch(tmp_path, "resumed1", 1, 3, precision, 0.5, "--load", str(ckpt), backend="nccl")
+    assert again["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import inspect
 import shutil
 import time
 from pathlib import Path
@@ -63,6 +64,9 @@ except ImportError:  # pragma: no cover (torch >= 2.4 has them)
     dcp = DTensor = None
     DefaultSavePlanner = object
 
+# dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
+# the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
+ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
 MODEL, OPTIM = "model", "optim"
@@ -429,6 +433,9 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     background; call its ``wait()`` before the next save or load, or the end of the run)."""
     if getattr(getattr(optimizer, "offload", None), "offloaded", False):
         raise RuntimeError("save_portable() while the optimizer's state is offloaded: call reload_states() first")
+    if asynchronous and not ASYNC_SAVE:
+        raise RuntimeError(f"an asynchronous save needs torch >= 2.9 (this is {torch.__version__}): save with "
+                           "asynchronous=False, or upgrade torch")  # fmt: skip
     start = time.perf_counter()
     rank, world = rank_and_world()
     directory = Path(directory)
