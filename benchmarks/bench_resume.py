@@ -156,6 +156,12 @@ def main() -> None:
     parser.add_argument("--async-steps", type=int, default=3)
     parser.add_argument("--async-only", action="store_true",
                         help="--save: the save is asynchronous, the AFTER steps run while it is written")  # fmt: skip
+    parser.add_argument(
+        "--async-saves",
+        type=int,
+        default=1,
+        help="--async-only: that many asynchronous saves, each with AFTER steps while it is written",
+    )
     parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
@@ -187,16 +193,21 @@ def main() -> None:
         before = train(engine, range(args.before), args, rank, world, device, vocab)
         row["losses_before"], row["seconds_before"] = before
         after = range(args.before, args.before + args.after)
-        if args.async_only:
-            with HostPeak() as peak, profiled(args.profile, row, "async_save_call_profile"):
-                engine.save_checkpoint(args.ckpt, args.tag, portable=True, asynchronous=True)
-            row["async_save_call"] = peak.report()
-            with HostPeak() as peak:
-                row["losses_after"], row["seconds_after"] = train(engine, after, args, rank, world, device, vocab)
-                engine.wait_checkpoint()
-            row["async_steps_and_wait"] = peak.report()
+        if args.async_only:  # --async-saves times over: the call, then the AFTER steps while it is written
             normal = statistics.median(row["seconds_before"][1:] or row["seconds_before"])
-            row["async_step_over_normal"] = statistics.median(row["seconds_after"]) / normal
+            for n in range(args.async_saves):
+                again = f"_{n + 1}" if n else ""  # a later save's figures: the copies the one before kept
+                with HostPeak() as peak, profiled(args.profile and not n, row, "async_save_call_profile"):
+                    engine.save_checkpoint(args.ckpt, args.tag, portable=True, asynchronous=True)
+                row["async_save_call" + again] = peak.report()
+                first = args.before + n * args.after
+                with HostPeak() as peak:
+                    losses, seconds = train(engine, range(first, first + args.after), args, rank, world, device, vocab)
+                    engine.wait_checkpoint()
+                if not n:
+                    row["losses_after"], row["seconds_after"] = losses, seconds
+                row["async_steps_and_wait" + again] = peak.report()
+                row["async_step_over_normal" + again] = statistics.median(seconds) / normal
         else:
             with HostPeak() as peak:
                 engine.save_checkpoint(args.ckpt, args.tag, portable=not args.per_rank)

@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
     parser.add_argument("--asynchronous", action="store_true", help="--save: written while training goes on")
+    parser.add_argument("--warm-save", action="store_true",
+                        help="--save: an asynchronous save after the first step as well (tag 'warm'): the next "
+                        "asynchronous save copies into the host copies it kept")  # fmt: skip
     parser.add_argument("--per-rank", action="store_true", help="--save: the per-rank format, not the portable one")
     args = parser.parse_args()
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
@@ -113,7 +116,11 @@ def main() -> None:
     engine, *_ = twinflow.initialize(model=Net().to(device), config=config(args.stage, args.precision, args.ratio))
     report: dict = {}
     if args.save:
-        report["before"] = train(engine, range(BEFORE), args.rank, args.world, device)
+        first = 1 if args.warm_save else BEFORE
+        report["before"] = train(engine, range(first), args.rank, args.world, device)
+        if args.warm_save:
+            engine.save_checkpoint(args.save, "warm", portable=True, asynchronous=True)
+            report["before"] += train(engine, range(first, BEFORE), args.rank, args.world, device)
         engine.save_checkpoint(args.save, "moved", portable=not args.per_rank, asynchronous=args.asynchronous)
         if os.environ.get("PORTABLE_DEBUG"):
             sd = engine.local_optimizer.state_dict()
@@ -122,6 +129,12 @@ def main() -> None:
             print("rank", args.rank, "groups", [(g["lr"], g["params"]) for g in sd["param_groups"]])
         report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world, device)
         engine.wait_checkpoint()
+        if args.warm_save:  # the host copies kept for the next asynchronous save, and freed
+            from twinflow.checkpoint import portable
+
+            report["kept"] = portable.kept_copy_bytes()
+            engine.wait_checkpoint(release_memory=True)
+            report["kept_after_release"] = portable.kept_copy_bytes()
     else:
         engine.load_checkpoint(args.load)
         if os.environ.get("PORTABLE_DEBUG"):

@@ -61,12 +61,16 @@ def test_on_the_same_world_size_the_state_comes_back_bit_for_bit(tmp_path, preci
     assert again["after"] == first["after"]
 
 
-def test_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path) -> None:
-    """The engine's asynchronous save (written while the three next steps train) resumes as the synchronous one."""
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path, precision: str) -> None:
+    """The engine's asynchronous save (written while the three next steps train) resumes as the synchronous one;
+    an asynchronous save two steps before it (FSDP2: DTensors) left the host copies it copies into."""
     ckpt = tmp_path / "ckpt"
-    first = _launch(tmp_path, "saved", 2, 3, "fp32", 0.5, "--save", str(ckpt), "--asynchronous")
-    again = _launch(tmp_path, "resumed", 1, 3, "fp32", 0.5, "--load", str(ckpt))
-    assert again["after"] == pytest.approx(first["after"], rel=1e-4)
+    first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt), "--asynchronous", "--warm-save")
+    assert (ckpt / "warm").is_dir() and (ckpt / "latest").read_text() == "moved"
+    assert first["kept"] > 0 and first["kept_after_release"] == 0  # engine.wait_checkpoint(release_memory=True)
+    again = _launch(tmp_path, "resumed", 1, 3, precision, 0.5, "--load", str(ckpt))
+    assert again["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
 
 
 def test_an_asynchronous_save_is_put_in_place_only_once_every_ranks_sums_are_written(tmp_path, monkeypatch) -> None:
@@ -309,6 +313,43 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path, precisi
     _train(other, other_opt, 1)
     _train(reference, reference_opt, 1)
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_asynchronous_saves_one_after_another_copy_into_the_same_host_memory(tmp_path, precision: str) -> None:
+    """The second asynchronous save copies into the host copies the first kept, once the first is written: each
+    tag holds the state of when its save began, bit for bit, and what is kept is the checkpoint's size once."""
+    model, opt = _single(0)
+    reference, reference_opt = _single(0)
+    for o in (opt, reference_opt):
+        o.state_precision = precision
+    _train(model, opt)
+    _train(reference, reference_opt)
+    at_first = [p.detach().clone() for p in model.parameters()]
+    portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True)
+    kept = portable.kept_copy_bytes()
+    _train(model, opt, 2)  # while "a" is written
+    _train(reference, reference_opt, 2)
+    pending = portable.save_portable(tmp_path / "ckpt", "b", model=model, optimizer=opt, asynchronous=True)
+    assert portable.kept_copy_bytes() == kept  # the same copies, not a second set
+    _train(model, opt, 2)  # while "b" is written, into what "a" was written from
+    with pytest.raises(RuntimeError, match="wait_pending"):
+        portable.release_kept_copies()  # "b" is still written from them
+    pending.wait()
+    files = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "b").iterdir() if f.suffix == ".distcp")
+    assert 0.9 * files < kept <= files
+    first, first_opt = _single(1)
+    portable_load.load_portable(tmp_path / "ckpt", "a", model=first, optimizer=first_opt)
+    assert all(p.detach().equal(e) for p, e in zip(first.parameters(), at_first))
+    second, second_opt = _single(1)
+    second_opt.state_precision = precision
+    portable_load.load_portable(tmp_path / "ckpt", "b", model=second, optimizer=second_opt)
+    assert all(p.detach().equal(q.detach()) for p, q in zip(second.parameters(), reference.parameters()))
+    _train(second, second_opt, 1)
+    _train(reference, reference_opt, 1)
+    assert all(p.detach().equal(q.detach()) for p, q in zip(second.parameters(), reference.parameters()))
+    portable.release_kept_copies()
+    assert portable.kept_copy_bytes() == 0
 
 
 def test_an_asynchronous_save_after_the_process_group_was_made_again(tmp_path) -> None:

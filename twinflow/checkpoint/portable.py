@@ -29,7 +29,8 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   previous tags loadable, and the next save removes what it left.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
   each to a file of its own (:class:`_Deferred`): the peak follows the largest tensor, not the model. An
-  asynchronous save copies the state to host memory first.
+  asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
+  keeps it for the next (:mod:`.portable_staging`: this rank's share of the checkpoint, until released).
 - **Checksums.** Each rank sums its share of the written files (:mod:`.portable_sums`) before the tag is put in
   place; the load (:mod:`.portable_load`) checks everything it will read before it changes anything, and then
   reads the state a batch at a time.
@@ -50,7 +51,7 @@ import torch.distributed as dist
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
-from twinflow.checkpoint import portable_codes
+from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
 from twinflow.checkpoint.portable_sums import write_sums
@@ -144,11 +145,11 @@ def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 class _Deferred:
-    """A parameter's moment, master or codes (`dtype`), read (`read`: this process's elements, flat, host memory)
-    only when DCP writes it, never through ``opt.state`` (state_dict()'s decoded copies of compact state stayed
-    there after the save, 12 bytes a parameter). With a file a tensor (DCP's writer keeps a file's tensors until
-    the file ends), a save holds one such tensor at a time. Stands in the state dict as `placeholder`: a logical
-    tensor of the right shape and dtype over no memory, from which DCP plans."""
+    """A parameter's moment, master or codes (`dtype`), read (`read(out=None)`: this process's elements, flat, in
+    new host memory or into `out`) only when DCP writes it, never through ``opt.state`` (state_dict()'s decoded
+    copies of compact state stayed there after the save, 12 bytes a parameter). With a file a tensor (DCP's writer
+    keeps a file's tensors until the file ends), a save holds one such tensor at a time. Stands in the state dict
+    as `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP plans."""
 
     def __init__(self, p: torch.Tensor, dtype: torch.dtype, read: Any) -> None:
         self.p, self.read = p, read
@@ -158,13 +159,9 @@ class _Deferred:
         """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
         return self.read().view(local(self.p).shape)
 
-    def logical(self) -> torch.Tensor:
-        """The logical tensor, its piece in host memory (an asynchronous save's copy)."""
-        if DTensor is not None and isinstance(self.p, DTensor):
-            out = host_dtensor(self.p, self.placeholder.dtype)
-            local(out).copy_(self.local())
-            return out
-        return _logical(self.p, self.local())
+    def staged(self, key: str) -> torch.Tensor:
+        """The logical tensor, its piece read into the host copy kept for `key` (an asynchronous save's)."""
+        return _copies.copy(key, self.p, self.placeholder.dtype, lambda out: self.read(out=out))
 
 
 class _DeferredScales:
@@ -207,14 +204,15 @@ def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own
         if as_kept:
             entry.update(_codes(p, owner, i))
         else:
-            entry.update({m: _Deferred(p, torch.float32, functools.partial(owner.read, i, m)) for m in MOMENTS})
+            decoded = {m: functools.partial(_read_decoded, owner, i, m) for m in MOMENTS}
+            entry.update({m: _Deferred(p, torch.float32, read) for m, read in decoded.items()})
         if owner.locals[i].dtype == torch.float32:
             pass  # the weight is its own master
         elif as_kept and name not in no24:
             for key, dtype in ((HI, torch.bfloat16), (LO, torch.uint8)):
                 entry[key] = _Deferred(p, dtype, functools.partial(_read_masters24, owner, i, key))
         else:
-            entry["master"] = _Deferred(p, torch.float32, functools.partial(owner.read, i, "master"))
+            entry["master"] = _Deferred(p, torch.float32, functools.partial(_read_decoded, owner, i, "master"))
         out[name] = entry
     return out
 
@@ -226,12 +224,17 @@ def _not_as_kept(p: torch.Tensor, parts: list[Any]) -> list[str]:
                                 ("m24", portable_codes.keeps_masters24(parts))) if not ok]  # fmt: skip
 
 
-def _read_codes(owner: Any, i: int, moment: str, what: str) -> torch.Tensor:
-    return portable_codes.codes_of(owner.raw(i), moment, what)
+def _read_decoded(owner: Any, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    value = owner.read(i, key)
+    return value if out is None else out.copy_(value.view(-1))
 
 
-def _read_masters24(owner: Any, i: int, what: str) -> torch.Tensor:
-    return portable_codes.masters24_of(owner.raw(i), what)
+def _read_codes(owner: Any, i: int, moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    return portable_codes.codes_of(owner.raw(i), moment, what, out)
+
+
+def _read_masters24(owner: Any, i: int, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    return portable_codes.masters24_of(owner.raw(i), what, out)
 
 
 def _codes(p: torch.Tensor, owner: Any, i: int) -> dict[str, Any]:
@@ -370,47 +373,46 @@ def wait_pending() -> Path | None:
     return last
 
 
-def _host_copy(tree: Any) -> Any:
-    """`tree` with every tensor copied into new host memory (a DTensor: its local piece, over the same mesh), so
-    that training may change the originals while the copy is written."""
-    if isinstance(tree, dict):
-        return {k: _host_copy(v) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor):  # a DTensor's copy keeps its mesh, its piece in host memory
-        return tree.detach().to("cpu", copy=True)
-    return tree
+_copies = portable_staging.HostCopies(
+    lambda like, dtype: host_tensor(like, dtype)
+)  # this process's asynchronous saves' copies, kept for the next
 
 
-class _AlreadyStaged:
-    """DCP's staging step for a state dict :func:`_host_copy` made: nothing more to copy (DCP's own stager copies
-    every tensor again, and failed on FSDP2's DTensors here: "copy_() on an invalid python storage")."""
+def _staged(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`state` with every tensor and :class:`_Deferred` copied into host memory (a DTensor: its local piece, over
+    the same mesh), so that training may change the originals while the copy is written: into the copies the last
+    asynchronous save made, where they fit (:mod:`.portable_staging`)."""
 
-    _synchronize_after_execute = True
-    should_synchronize_after_execute = True
+    def copy(key: str, value: Any) -> Any:
+        if isinstance(value, _Deferred):
+            return value.staged(key)
+        if isinstance(value, _DeferredScales):  # 1/256 of a moment's bytes: a new copy
+            return value.logical()
+        if isinstance(value, torch.Tensor):
+            held = local(value).detach()
+            return _copies.copy(key, value, value.dtype, lambda out: out.view(held.shape).copy_(held))
+        return value
 
-    def stage(self, state_dict: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    _copies.begin()
+    staged = {MODEL: {k: copy(f"{MODEL}.{k}", v) for k, v in state[MODEL].items()},
+              OPTIM: {name: {k: copy(f"{OPTIM}.{name}.{k}", v) for k, v in entry.items()}
+                      for name, entry in state[OPTIM].items()}}  # fmt: skip
+    _copies.end()
+    return staged
 
 
-_checkpoint_group: tuple[Any, Any] | None = None  # (the default group it was made under, the gloo group)
+def kept_copy_bytes() -> int:
+    """The host memory this process keeps for its next asynchronous save (the last one's copy of the state)."""
+    return _copies.nbytes
 
 
-def _background_group() -> Any:
-    """A gloo process group of every rank for the background writes' collectives (made once per default group, by
-    every rank: the training's own group stays free of them); None without torch.distributed. A default group
-    destroyed and made again (an elastic restart, a test) gets a group of its own: the old one died with it."""
-    global _checkpoint_group  # noqa: PLW0603 (one group a default group, made at its first asynchronous save)
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    if _checkpoint_group is None or _checkpoint_group[0] is not world:
-        _checkpoint_group = (world, dist.new_group(backend="gloo"))
-    return _checkpoint_group[1]
+def release_kept_copies() -> None:
+    """Frees what :func:`kept_copy_bytes` counts (this process's pending saves must have been waited for)."""
+    if _pending:
+        raise RuntimeError(
+            "release_kept_copies() while an asynchronous save is written from them: wait_pending() first"
+        )
+    _copies.release()
 
 
 def _put_in_place(saving: Path, final: Path) -> None:
@@ -460,10 +462,11 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
                 "model_keys": list(state[MODEL])}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
-        copy = _with(_host_copy(state), lambda deferred: deferred.logical())  # each tensor copied once
-        future = dcp.async_save(copy, checkpoint_id=saving, process_group=_background_group(),
-                                storage_writer=dcp.FileSystemWriter(saving, single_file_per_rank=False),
-                                async_stager=_AlreadyStaged(), planner=_ReadWhenWritten({}))  # fmt: skip
+        copy = _staged(state)  # each tensor copied once, into what the last asynchronous save copied into
+        writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
+        future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
+                                storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
+                                planner=_ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]
@@ -489,6 +492,7 @@ def tag_of(directory: Path, tag: str | None) -> str:
     return tag
 
 
-def host_dtensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new DTensor of DTensor `p`'s shape and placements in `dtype`, its piece in host memory (uninitialised)."""
+def host_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of `p`'s shape in `dtype` (a DTensor: of its placements, over its mesh), its elements (piece) in
+    host memory."""
     return planned_tensor(p, dtype).to("cpu", copy=True)

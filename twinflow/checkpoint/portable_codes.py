@@ -125,19 +125,20 @@ def keeps_masters24(parts: list[Any]) -> bool:
     return bool(parts) and all(part.kind in (M24, RESIDUAL) for part in parts)
 
 
-def _flat(pieces: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The `pieces` (an iterable of tensors, on any device) one after another in new flat host memory of `numel`
-    elements: each copied once into its place."""
-    out, at = torch.empty(numel, dtype=dtype), 0
+def _flat(pieces: Any, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `pieces` (an iterable of tensors, on any device) one after another in flat host memory of `numel`
+    elements (`out`, else new): each copied once into its place."""
+    out, at = torch.empty(numel, dtype=dtype) if out is None else out, 0
     for piece in pieces:
         out[at : at + piece.numel()].copy_(piece.detach().reshape(-1))
         at += piece.numel()
     return out
 
 
-def masters24_of(parts: list[Any], what: str) -> torch.Tensor:
-    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, new host memory) from the owner's `parts`
-    (the weight and its residual joined a batch at a time on their device: the int64 scratch stays bounded)."""
+def masters24_of(parts: list[Any], what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, in `out`, else new host memory) from the
+    owner's `parts` (the weight and its residual joined a batch at a time on their device: the int64 scratch
+    stays bounded)."""
     lo = what == LO
 
     def pieces() -> Any:
@@ -149,14 +150,16 @@ def masters24_of(parts: list[Any], what: str) -> torch.Tensor:
             for a, b in compact.spans(weight.numel()):
                 yield weight_master.join(weight[a:b], residual[a:b])[lo]
 
-    return _flat(pieces(), sum(part.master[0].numel() for part in parts), torch.uint8 if lo else torch.bfloat16)
+    return _flat(pieces(), sum(part.master[0].numel() for part in parts), torch.uint8 if lo else torch.bfloat16, out)
 
 
-def codes_of(parts: list[Any], moment: str, what: str) -> torch.Tensor:
-    """This process's codes (flat) or block scales of `moment`, in new host memory, from the owner's `parts`."""
+def codes_of(parts: list[Any], moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This process's codes (flat) or block scales of `moment`, in `out` (else new host memory), from the owner's
+    `parts`."""
     which = list(MOMENTS).index(moment) * 2 + (what == SCALES)
     pieces = [part.codes[which] for part in parts]
-    return _flat(pieces, sum(piece.numel() for piece in pieces), torch.uint8 if what == SCALES else MOMENTS[moment])
+    dtype = torch.uint8 if what == SCALES else MOMENTS[moment]
+    return _flat(pieces, sum(piece.numel() for piece in pieces), dtype, out)
 
 
 class BlockScales:

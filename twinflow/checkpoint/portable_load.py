@@ -42,7 +42,7 @@ from twinflow.checkpoint.portable import (
     OPTIM,
     dcp,
     gathered,
-    host_dtensor,
+    host_tensor,
     is_portable,
     names_of,
     planned_tensor,
@@ -71,7 +71,7 @@ def host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     GPU; the copy of a placeholder over no memory to the host is made there)."""
     dtype = dtype or t.dtype
     if DTensor is not None and isinstance(t, DTensor):
-        return host_dtensor(t, dtype)
+        return host_tensor(t, dtype)
     return torch.empty(t.shape, dtype=dtype)
 
 

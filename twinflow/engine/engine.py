@@ -306,10 +306,14 @@ class Engine:
         saved = portable_checkpoint.save_portable(save_dir, tag, **parts, asynchronous=asynchronous)
         return saved.final if isinstance(saved, portable_checkpoint.PendingSave) else saved
 
-    def wait_checkpoint(self) -> Path | None:
+    def wait_checkpoint(self, release_memory: bool = False) -> Path | None:
         """Waits for an asynchronous save still being written and puts it in place; returns its folder (None: no
-        save was pending)."""
-        return portable_checkpoint.wait_pending()
+        save was pending). An asynchronous save keeps its host copy of the state (this rank's share of the
+        checkpoint) for the next one, which copies into it several times faster: `release_memory` frees it."""
+        done = portable_checkpoint.wait_pending()
+        if release_memory:
+            portable_checkpoint.release_kept_copies()
+        return done
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""

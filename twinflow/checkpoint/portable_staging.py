@@ -1,0 +1,112 @@
+"""What an asynchronous portable save writes from: the host copy of the state, kept for the next asynchronous save
+(:class:`HostCopies`), DCP's staging step that takes that copy as it is (:class:`AlreadyStaged`), and the process
+group the background write talks through (:func:`background_group`).
+
+The save copies every tensor it writes (the model's weights, the optimizer's state as kept) to host memory while
+training waits; the files are then written from that copy in the background. Into new host memory a copy from an
+H200 ran at 1.1-1.3 GB/s (each page is touched for the first time by the copy), and at 12.5 GB/s into memory that
+was copied to before; from host memory, 6-8 against 30 GB/s (``benchmarks/host_copy_probe.py``, BENCHMARKS.md).
+So each tensor's copy is kept, by its key, and the next asynchronous save copies into it again where the tensor is
+the same (shape, dtype, mesh and placements), as DCP's own stager caches its copies. What is kept is this rank's
+share of the checkpoint, in host memory, until it is released (``engine.wait_checkpoint(release_memory=True)``)
+or a save of other tensors replaces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twinflow.base.distributed import local
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover (torch >= 2.4 has it)
+    DTensor = None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _fits(kept: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `kept` holds a copy of a tensor like `like` in `dtype`: the same shapes, mesh and placements."""
+    if kept.dtype != dtype or kept.shape != like.shape or local(kept).shape != local(like).shape:
+        return False
+    if _is_dtensor(like):
+        return _is_dtensor(kept) and kept.device_mesh == like.device_mesh and kept.placements == like.placements
+    return not _is_dtensor(kept)
+
+
+class HostCopies:
+    """The host copies of one asynchronous save after another, by key (a process's saves go through one, and a
+    save begins only once the one before it is written)."""
+
+    def __init__(self, make: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> None:
+        self.make = make  # make(like, dtype): a new tensor of `like`'s logical shape, its elements in host memory
+        self.kept: dict[str, torch.Tensor] = {}
+        self.used: dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        """A save begins: what it does not copy into is freed at its :meth:`end`."""
+        self.used = {}
+
+    def copy(self, key: str, like: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], Any]) -> Any:
+        """The host tensor kept for `key` (a new one where none fits `like` and `dtype`), its local elements given
+        flat to fill(): the logical tensor DCP writes, a DTensor over `like`'s mesh where `like` is one."""
+        kept = self.kept.get(key)
+        if kept is None or not _fits(kept, like, dtype):
+            self.kept.pop(key, None)  # freed before its replacement is made
+            kept = self.make(like, dtype)
+        fill(local(kept).view(-1))
+        self.used[key] = kept
+        return kept
+
+    def end(self) -> None:
+        self.kept, self.used = self.used, {}
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory the kept copies take."""
+        return sum(local(t).nbytes for t in self.kept.values())
+
+    def release(self) -> None:
+        """Frees the kept copies (the next asynchronous save makes its own again)."""
+        self.kept, self.used = {}, {}
+
+
+class AlreadyStaged:
+    """DCP's staging step for a state dict copied through :class:`HostCopies`: nothing more to copy (DCP's own
+    stager copies every tensor again, and failed on FSDP2's DTensors here: "copy_() on an invalid python
+    storage")."""
+
+    _synchronize_after_execute = True
+    should_synchronize_after_execute = True
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_checkpoint_group: tuple[Any, Any] | None = None  # (the default group it was made under, the gloo group)
+
+
+def background_group() -> Any:
+    """A gloo process group of every rank for the background writes' collectives (made once per default group, by
+    every rank: the training's own group stays free of them); None without torch.distributed. A default group
+    destroyed and made again (an elastic restart, a test) gets a group of its own: the old one died with it."""
+    global _checkpoint_group  # noqa: PLW0603 (one group a default group, made at its first asynchronous save)
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _checkpoint_group is None or _checkpoint_group[0] is not world:
+        _checkpoint_group = (world, dist.new_group(backend="gloo"))
+    return _checkpoint_group[1]
