@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true",
-                        help="the 30 costliest calls of the load, or of the asynchronous save call")  # fmt: skip
+                        help="the 30 costliest calls of the load, or of the (last) asynchronous save call")  # fmt: skip
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -197,7 +197,8 @@ def main() -> None:
             normal = statistics.median(row["seconds_before"][1:] or row["seconds_before"])
             for n in range(args.async_saves):
                 again = f"_{n + 1}" if n else ""  # a later save's figures: the copies the one before kept
-                with HostPeak() as peak, profiled(args.profile and not n, row, "async_save_call_profile"):
+                last = n == args.async_saves - 1
+                with HostPeak() as peak, profiled(args.profile and last, row, "async_save_call_profile"):
                     engine.save_checkpoint(args.ckpt, args.tag, portable=True, asynchronous=True)
                 row["async_save_call" + again] = peak.report()
                 first = args.before + n * args.after

@@ -118,6 +118,16 @@ def planned_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _logical(p, torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape))
 
 
+def host_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty host tensor of `t`'s shape (and `dtype`, else t's): a DTensor with `t`'s placements where `t` is
+    one, its piece in host memory (DTensor.from_local would move a host piece to the mesh's GPU; the copy of a
+    placeholder over no memory to the host is made there)."""
+    dtype = dtype or t.dtype
+    if DTensor is not None and isinstance(t, DTensor):
+        return planned_tensor(t, dtype).to("cpu", copy=True)
+    return torch.empty(t.shape, dtype=dtype)
+
+
 def gathered(mine: dict[str, Any]) -> dict[str, Any]:
     """The union over the ranks of each rank's `mine` (name -> value)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -373,9 +383,7 @@ def wait_pending() -> Path | None:
     return last
 
 
-_copies = portable_staging.HostCopies(
-    lambda like, dtype: host_tensor(like, dtype)
-)  # this process's asynchronous saves' copies, kept for the next
+_copies = portable_staging.HostCopies(host_tensor)  # this process's asynchronous saves' copies, kept for the next
 
 
 def _staged(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -490,9 +498,3 @@ def tag_of(directory: Path, tag: str | None) -> str:
     if tag is None:
         raise CheckpointError(f"no 'latest' in {directory}: name a tag, or save a checkpoint there first")
     return tag
-
-
-def host_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new tensor of `p`'s shape in `dtype` (a DTensor: of its placements, over its mesh), its elements (piece) in
-    host memory."""
-    return planned_tensor(p, dtype).to("cpu", copy=True)

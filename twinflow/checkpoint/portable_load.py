@@ -65,16 +65,6 @@ CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 
-def host_target(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty host tensor of `t`'s shape (and `dtype`, else t's) DCP reads `t`'s pieces into: a DTensor with `t`'s
-    placements where `t` is one, its piece in host memory (DTensor.from_local would move a host piece to the mesh's
-    GPU; the copy of a placeholder over no memory to the host is made there)."""
-    dtype = dtype or t.dtype
-    if DTensor is not None and isinstance(t, DTensor):
-        return host_tensor(t, dtype)
-    return torch.empty(t.shape, dtype=dtype)
-
-
 class MappedReader(FileSystemReader):
     """DCP's file reader, except that a tensor alone in its file (the save's layout: a file a tensor) is mapped
     (``torch.load(mmap=True)``) and copied from the page cache into its target once; DCP's own reader reads each
@@ -197,7 +187,7 @@ def _target(params: list[torch.Tensor], keys: list[list[str]], names: dict[int, 
             wanted: Any = lambda key: True, planned: bool = False) -> dict[str, Any]:  # fmt: skip
     """New host tensors (`planned`: of no memory) for the `wanted` saved state keys of the parameters `which`
     indexes (float32, codes in theirs: :func:`.portable_codes.target`; a step a number)."""
-    make = planned_tensor if planned else host_target
+    make = planned_tensor if planned else host_tensor
     return {OPTIM: {names[id(params[i])]: {k: torch.zeros(()) if k == "step" else
                                            portable_codes.target(params[i], k, make, planned)
                                            for k in keys[i] if wanted(k)} for i in which}}  # fmt: skip
@@ -264,7 +254,7 @@ def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer
         read = _target(params, keys, names, everything, lambda k: k == "step" or moment_of(k) not in OWNED)
     else:
         read = {
-            MODEL: {k: host_target(v) for k, v in model_now.items()},
+            MODEL: {k: host_tensor(v) for k, v in model_now.items()},
             **_target(params, keys, names, everything),
         }
     if any(read[OPTIM].values()) or MODEL in read:
