@@ -122,6 +122,10 @@ def main() -> None:
             engine.save_checkpoint(args.save, "warm", portable=True, asynchronous=True)
             report["before"] += train(engine, range(first, BEFORE), args.rank, args.world, device)
         engine.save_checkpoint(args.save, "moved", portable=not args.per_rank, asynchronous=args.asynchronous)
+        if args.warm_save:
+            from twinflow.checkpoint import portable
+
+            report["reused"] = portable.reused_copy_bytes()
         if os.environ.get("PORTABLE_DEBUG"):
             sd = engine.local_optimizer.state_dict()
             for i, e in list(sd["state"].items())[:2]:
@@ -130,8 +134,6 @@ def main() -> None:
         report["after"] = train(engine, range(BEFORE, BEFORE + AFTER), args.rank, args.world, device)
         engine.wait_checkpoint()
         if args.warm_save:  # the host copies kept for the next asynchronous save, and freed
-            from twinflow.checkpoint import portable
-
             report["kept"] = portable.kept_copy_bytes()
             engine.wait_checkpoint(release_memory=True)
             report["kept_after_release"] = portable.kept_copy_bytes()

@@ -3,6 +3,7 @@ checkpoint), on the CPU with gloo: the resumed run's losses against the saving r
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import math
@@ -68,7 +69,8 @@ def test_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path, precision: s
     ckpt = tmp_path / "ckpt"
     first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt), "--asynchronous", "--warm-save")
     assert (ckpt / "warm").is_dir() and (ckpt / "latest").read_text() == "moved"
-    assert first["kept"] > 0 and first["kept_after_release"] == 0  # engine.wait_checkpoint(release_memory=True)
+    assert first["reused"] == first["kept"] > 0  # the second save copied into every copy the first kept
+    assert first["kept_after_release"] == 0  # engine.wait_checkpoint(release_memory=True)
     again = _launch(tmp_path, "resumed", 1, 3, precision, 0.5, "--load", str(ckpt))
     assert again["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
 
@@ -112,15 +114,16 @@ def test_a_resume_at_another_ratio_and_precision(tmp_path) -> None:
     assert again["after"] == pytest.approx(first["after"], rel=1e-4)
 
 
-def _single(seed: int) -> tuple[torch.nn.Module, TwinFlowAdam]:
+def _single(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, TwinFlowAdam]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.GELU(), torch.nn.Linear(300, 4)).to(dtype)
     return model, TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5)
 
 
 def _train(model: torch.nn.Module, opt: TwinFlowAdam, steps: int = 2) -> None:
     for i in range(steps):
-        model(torch.randn(8, 300, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+        x = torch.randn(8, 300, generator=torch.Generator().manual_seed(i)).to(next(model.parameters()).dtype)
+        model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -315,33 +318,44 @@ def test_an_asynchronous_save_holds_the_state_of_when_it_began(tmp_path, precisi
     assert all(p.detach().equal(q.detach()) for p, q in zip(other.parameters(), reference.parameters()))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
-def test_asynchronous_saves_one_after_another_copy_into_the_same_host_memory(tmp_path, precision: str) -> None:
+# bf16 weights with int8_m24 state are left out: a load sets such a weight from its 24-bit master, which differs
+# from the trained weight by one bf16 ulp on about 0.2% of the elements, whatever the save (a known defect)
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [("fp32", torch.float32), ("int8_m24", torch.float32), ("fp32", torch.bfloat16)],
+    ids=["fp32", "int8_m24", "fp32-bf16-weights"],
+)
+def test_asynchronous_saves_one_after_another_copy_into_the_same_host_memory(tmp_path, precision: str,
+                                                                              dtype: torch.dtype) -> None:  # fmt: skip
     """The second asynchronous save copies into the host copies the first kept, once the first is written: each
-    tag holds the state of when its save began, bit for bit, and what is kept is the checkpoint's size once."""
-    model, opt = _single(0)
-    reference, reference_opt = _single(0)
+    tag holds the state of when its save began, bit for bit, and what is kept is the checkpoint's size once (bf16
+    weights: with float32 masters, or 24-bit ones in int8_m24)."""
+    model, opt = _single(0, dtype)
+    reference, reference_opt = _single(0, dtype)
     for o in (opt, reference_opt):
         o.state_precision = precision
     _train(model, opt)
     _train(reference, reference_opt)
     at_first = [p.detach().clone() for p in model.parameters()]
+    portable.release_kept_copies()  # what another test of this process left
     portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True)
     kept = portable.kept_copy_bytes()
+    assert portable.reused_copy_bytes() == 0
     _train(model, opt, 2)  # while "a" is written
     _train(reference, reference_opt, 2)
     pending = portable.save_portable(tmp_path / "ckpt", "b", model=model, optimizer=opt, asynchronous=True)
-    assert portable.kept_copy_bytes() == kept  # the same copies, not a second set
+    assert portable.kept_copy_bytes() == kept == portable.reused_copy_bytes()  # the same copies, every one
     _train(model, opt, 2)  # while "b" is written, into what "a" was written from
     with pytest.raises(RuntimeError, match="wait_pending"):
         portable.release_kept_copies()  # "b" is still written from them
     pending.wait()
     files = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "b").iterdir() if f.suffix == ".distcp")
     assert 0.9 * files < kept <= files
-    first, first_opt = _single(1)
+    first, first_opt = _single(1, dtype)
+    first_opt.state_precision = precision
     portable_load.load_portable(tmp_path / "ckpt", "a", model=first, optimizer=first_opt)
     assert all(p.detach().equal(e) for p, e in zip(first.parameters(), at_first))
-    second, second_opt = _single(1)
+    second, second_opt = _single(1, dtype)
     second_opt.state_precision = precision
     portable_load.load_portable(tmp_path / "ckpt", "b", model=second, optimizer=second_opt)
     assert all(p.detach().equal(q.detach()) for p, q in zip(second.parameters(), reference.parameters()))
@@ -350,6 +364,27 @@ def test_asynchronous_saves_one_after_another_copy_into_the_same_host_memory(tmp
     assert all(p.detach().equal(q.detach()) for p, q in zip(second.parameters(), reference.parameters()))
     portable.release_kept_copies()
     assert portable.kept_copy_bytes() == 0
+
+
+def test_an_asynchronous_save_of_other_tensors_replaces_the_kept_copies(tmp_path) -> None:
+    """A save of another model (other names, other shapes) frees the copies it has no use for and keeps its own."""
+    model, opt = _single(0)
+    _train(model, opt)
+    portable.save_portable(tmp_path / "ckpt", "a", model=model, optimizer=opt, asynchronous=True).wait()
+    torch.manual_seed(3)
+    layers = {"a": torch.nn.Linear(300, 200), "b": torch.nn.Linear(200, 5)}
+    other = torch.nn.Sequential(collections.OrderedDict(layers))  # other names: no key of the first save
+    other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio=0.5)
+    _train(other, other_opt)
+    expected = [p.detach().clone() for p in other.parameters()]
+    portable.save_portable(tmp_path / "other", "b", model=other, optimizer=other_opt, asynchronous=True).wait()
+    assert portable.reused_copy_bytes() == 0
+    # the second model's weights and two moments in float32, its steps: nothing of the first one's
+    assert portable.kept_copy_bytes() == sum(3 * p.numel() * 4 + 4 for p in other.parameters())
+    _train(other, other_opt, 1)
+    again = torch.nn.Sequential(collections.OrderedDict(a=torch.nn.Linear(300, 200), b=torch.nn.Linear(200, 5)))
+    portable_load.load_portable(tmp_path / "other", model=again, optimizer=TwinFlowAdam(again.parameters(), ratio=0.5))
+    assert all(p.detach().equal(e) for p, e in zip(again.parameters(), expected))
 
 
 def test_an_asynchronous_save_after_the_process_group_was_made_again(tmp_path) -> None:
@@ -391,7 +426,9 @@ def test_an_asynchronous_save_where_torch_cannot_is_refused_before_anything_is_w
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
 def test_on_gpus_an_asynchronous_save_of_two_ranks_resumes_on_one(tmp_path, precision: str) -> None:
     ckpt = tmp_path / "ckpt"
-    first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt), "--asynchronous", backend="nccl")
+    first = _launch(tmp_path, "saved", 2, 3, precision, 0.5, "--save", str(ckpt), "--asynchronous", "--warm-save",
+                    backend="nccl")  # fmt: skip
+    assert first["reused"] == first["kept"] > 0  # the second save copied into the first's CUDA-side copies
     again = _launch(tmp_path, "resumed1", 1, 3, precision, 0.5, "--load", str(ckpt), backend="nccl")
     assert again["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
 

@@ -169,9 +169,9 @@ class _Deferred:
         """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
         return self.read().view(local(self.p).shape)
 
-    def staged(self, key: str) -> torch.Tensor:
-        """The logical tensor, its piece read into the host copy kept for `key` (an asynchronous save's)."""
-        return _copies.copy(key, self.p, self.placeholder.dtype, lambda out: self.read(out=out))
+    def stage_into(self, copies: portable_staging.HostCopies, key: str) -> torch.Tensor:
+        """The logical tensor, its piece read into the host copy `copies` keeps for `key` (an asynchronous save's)."""
+        return copies.copy(key, self.p, self.placeholder.dtype, lambda out: self.read(out=out))
 
 
 class _DeferredScales:
@@ -184,8 +184,8 @@ class _DeferredScales:
     def local(self) -> torch.Tensor:
         return self.read()
 
-    def logical(self) -> portable_codes.BlockScales:
-        return portable_codes.scales_piece(self.p, self.read())
+    def stage_into(self, copies: portable_staging.HostCopies, key: str) -> portable_codes.BlockScales:
+        return portable_codes.scales_piece(self.p, self.read())  # 1/256 of the moment's bytes: a new copy
 
 
 def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, owner: Any) -> dict[str, dict[str, Any]]:
@@ -235,8 +235,7 @@ def _not_as_kept(p: torch.Tensor, parts: list[Any]) -> list[str]:
 
 
 def _read_decoded(owner: Any, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    value = owner.read(i, key)
-    return value if out is None else out.copy_(value.view(-1))
+    return owner.read(i, key, out)
 
 
 def _read_codes(owner: Any, i: int, moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -329,9 +328,11 @@ class PendingSave:
         none returns before rank 0 has renamed the tag and written ``latest``); returns the tag's folder. A write
         that failed on any rank raises here on every rank, and the tag stays "<tag>.saving" (removed by the next
         save)."""
-        if self in _pending:
-            _pending.remove(self)
-        _finish(self.saving, self.final, self.future.result)
+        try:
+            _finish(self.saving, self.final, self.future.result)
+        finally:  # still written (the wait was interrupted): still pending, its host copies not to be reused yet
+            if self.future.done() and self in _pending:
+                _pending.remove(self)
         notice("saved portable checkpoint %s in the background in %.1f s", self.final,
                time.perf_counter() - self.start)  # fmt: skip
         return self.final
@@ -383,35 +384,17 @@ def wait_pending() -> Path | None:
     return last
 
 
-_copies = portable_staging.HostCopies(host_tensor)  # this process's asynchronous saves' copies, kept for the next
-
-
-def _staged(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """`state` with every tensor and :class:`_Deferred` copied into host memory (a DTensor: its local piece, over
-    the same mesh), so that training may change the originals while the copy is written: into the copies the last
-    asynchronous save made, where they fit (:mod:`.portable_staging`)."""
-
-    def copy(key: str, value: Any) -> Any:
-        if isinstance(value, _Deferred):
-            return value.staged(key)
-        if isinstance(value, _DeferredScales):  # 1/256 of a moment's bytes: a new copy
-            return value.logical()
-        if isinstance(value, torch.Tensor):
-            held = local(value).detach()
-            return _copies.copy(key, value, value.dtype, lambda out: out.view(held.shape).copy_(held))
-        return value
-
-    _copies.begin()
-    staged = {MODEL: {k: copy(f"{MODEL}.{k}", v) for k, v in state[MODEL].items()},
-              OPTIM: {name: {k: copy(f"{OPTIM}.{name}.{k}", v) for k, v in entry.items()}
-                      for name, entry in state[OPTIM].items()}}  # fmt: skip
-    _copies.end()
-    return staged
+_copies = portable_staging.HostCopies(host_tensor)  # this process's asynchronous saves' copies (its _Deferred too)
 
 
 def kept_copy_bytes() -> int:
     """The host memory this process keeps for its next asynchronous save (the last one's copy of the state)."""
     return _copies.nbytes
+
+
+def reused_copy_bytes() -> int:
+    """The host bytes this process's last asynchronous save copied into copies kept from the one before."""
+    return _copies.reused
 
 
 def release_kept_copies() -> None:
@@ -470,7 +453,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
                 "model_keys": list(state[MODEL])}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
-        copy = _staged(state)  # each tensor copied once, into what the last asynchronous save copied into
+        copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
         writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
                                 storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),

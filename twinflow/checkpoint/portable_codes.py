@@ -132,6 +132,8 @@ def _flat(pieces: Any, numel: int, dtype: torch.dtype, out: torch.Tensor | None 
     for piece in pieces:
         out[at : at + piece.numel()].copy_(piece.detach().reshape(-1))
         at += piece.numel()
+    if at != numel or out.numel() != numel:
+        raise RuntimeError(f"{at} elements in pieces of {numel} (into {out.numel()}): a twinflow bug, please report it")
     return out
 
 

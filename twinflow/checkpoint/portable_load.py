@@ -54,11 +54,10 @@ from twinflow.checkpoint.portable_sums import check_files, read_sums
 try:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed.tensor import DTensor
 
     FileSystemReader = dcp.FileSystemReader
 except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them)
-    DTensor = LoadItemType = DefaultLoadPlanner = None
+    LoadItemType = DefaultLoadPlanner = None
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)

@@ -14,6 +14,7 @@ or a save of other tensors replaces it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,8 @@ def _fits(kept: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `kept` holds a copy of a tensor like `like` in `dtype`: the same shapes, mesh and placements."""
     if kept.dtype != dtype or kept.shape != like.shape or local(kept).shape != local(like).shape:
         return False
-    if _is_dtensor(like):
-        return _is_dtensor(kept) and kept.device_mesh == like.device_mesh and kept.placements == like.placements
+    if _is_dtensor(like):  # the same mesh object: one made again (a new process group) gets new copies
+        return _is_dtensor(kept) and kept.device_mesh is like.device_mesh and kept.placements == like.placements
     return not _is_dtensor(kept)
 
 
@@ -49,24 +50,44 @@ class HostCopies:
         self.make = make  # make(like, dtype): a new tensor of `like`'s logical shape, its elements in host memory
         self.kept: dict[str, torch.Tensor] = {}
         self.used: dict[str, torch.Tensor] = {}
+        self.reused = 0  # bytes the last save copied into copies kept from the one before
 
-    def begin(self) -> None:
-        """A save begins: what it does not copy into is freed at its :meth:`end`."""
-        self.used = {}
+    def begin(self, keys: set[str]) -> None:
+        """A save of `keys` begins: the copies of other keys are freed first."""
+        self.kept = {k: v for k, v in self.kept.items() if k in keys}
+        self.used, self.reused = {}, 0
 
-    def copy(self, key: str, like: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], Any]) -> Any:
-        """The host tensor kept for `key` (a new one where none fits `like` and `dtype`), its local elements given
-        flat to fill(): the logical tensor DCP writes, a DTensor over `like`'s mesh where `like` is one."""
-        kept = self.kept.get(key)
-        if kept is None or not _fits(kept, like, dtype):
-            self.kept.pop(key, None)  # freed before its replacement is made
+    def copy(self, key: str, like: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], Any],
+             first: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """The host tensor kept for `key`, its local elements given flat to fill(): the logical tensor DCP writes, a
+        DTensor over `like`'s mesh where `like` is one. Where none fits `like` and `dtype`, a new one: first() (a
+        copy made at once) if given, else one made and filled."""
+        kept = self.kept.pop(key, None)  # one that does not fit is freed before its replacement is made
+        if kept is not None and _fits(kept, like, dtype):
+            fill(local(kept).view(-1))
+            self.reused += local(kept).nbytes
+        elif first is not None:
+            kept = first()
+        else:
             kept = self.make(like, dtype)
-        fill(local(kept).view(-1))
+            fill(local(kept).view(-1))
         self.used[key] = kept
         return kept
 
+    def stage(self, tree: Any) -> Any:
+        """`tree` (nested dicts) with each tensor copied into host memory (a DTensor: its piece, over the same mesh),
+        and each value with a ``stage_into(copies, key)`` (a tensor read when it is saved) read into it, keyed by
+        its path joined by dots: into the copies kept from the last save, where they fit. Training may then change
+        the originals while the copy is written."""
+        self.begin(set(_paths(tree)))
+        try:
+            return _staged(self, tree, "")
+        finally:
+            self.end()
+
     def end(self) -> None:
-        self.kept, self.used = self.used, {}
+        """The save has copied what it copies (or failed): its copies are the ones kept."""
+        self.kept, self.used = {**self.kept, **self.used}, {}
 
     @property
     def nbytes(self) -> int:
@@ -110,3 +131,22 @@ def background_group() -> Any:
     if _checkpoint_group is None or _checkpoint_group[0] is not world:
         _checkpoint_group = (world, dist.new_group(backend="gloo"))
     return _checkpoint_group[1]
+
+
+def _paths(tree: Any, at: str = "") -> Any:
+    if not isinstance(tree, dict):
+        yield at
+        return
+    for k, v in tree.items():
+        yield from _paths(v, f"{at}.{k}" if at else k)
+
+
+def _staged(copies: HostCopies, tree: Any, key: str) -> Any:
+    if isinstance(tree, dict):
+        return {k: _staged(copies, v, f"{key}.{k}" if key else k) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):  # a new copy is made at once: one pass
+        held = local(tree).detach()
+        first = functools.partial(tree.detach().to, "cpu", copy=True, memory_format=torch.contiguous_format)
+        return copies.copy(key, tree, tree.dtype, lambda out: out.view(held.shape).copy_(held), first)
+    stage_into = getattr(tree, "stage_into", None)
+    return stage_into(copies, key) if stage_into is not None else tree

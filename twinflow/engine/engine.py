@@ -318,7 +318,7 @@ class Engine:
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[Path, dict]:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
-        self.wait_checkpoint()
+        self.wait_checkpoint(release_memory=True)  # the load needs host memory more than the next save
         load = load_portable if portable_checkpoint.holds(Path(load_dir), tag) else load_checkpoint
         extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                            scheduler=self.lr_scheduler)  # fmt: skip
