@@ -367,7 +367,9 @@ def _streamed(found: _Checked, optimizer: Any) -> float:
         if entry is not None and parts and portable_codes.fits_as_kept(p, parts, entry):
             portable_codes.put_as_kept(p, parts, entry)  # its bits: the same as decoded and encoded, sooner
         else:
-            owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)))
+            # the weight came from the checkpoint as it was: rounding the master again may differ at ties
+            owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)),
+                      weights_follow=False)  # fmt: skip
         if entry is not None:
             steps[i] = int(entry["step"])
     owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh

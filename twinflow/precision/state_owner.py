@@ -117,9 +117,10 @@ class OptimizerState(StateOwner, Protocol):
         """In-place writes to the copies ``opt.state`` handed out reach the state (before it is read whole)."""
         ...
 
-    def put(self, i: int, entry: dict[str, torch.Tensor] | None) -> None:
+    def put(self, i: int, entry: dict[str, torch.Tensor] | None, *, weights_follow: bool = True) -> None:
         """Sets parameter i's state from `entry` in torch.optim's layout (``step``, ``exp_avg``, ``exp_avg_sq``,
-        ``master`` where kept; None: fresh), as a load does; a master written also sets the weight."""
+        ``master`` where kept; None: fresh), as a load does; a master written also sets the weight
+        (`weights_follow`: False where the weight was set exactly already, as a checkpoint's)."""
         ...
 
     def loaded_raw(self, steps: dict[int, int]) -> None:
