@@ -331,6 +331,30 @@ class StateReader:
             self.current = (-1, {})  # the batch's last parameter: nothing of it is asked for again
         return entry
 
+    def put_into(self, owner: Any) -> None:
+        """Writes the saved state into the built state owner `owner` (a load's, or the build's of a pending load
+        under ratio="auto"): each parameter's codes, scales and 24-bit masters as they were saved where they fit its
+        parts, else decoded and encoded again; the weights stay as the load read them."""
+        found = self.found
+        owner.check_settled()
+        owner.settle_state()
+        coded, steps = owner.precision.coded_moments, {}
+        for i, p in enumerate(found.params):
+            parts = owner.raw(i) if coded else None
+            if parts == [] and self.moments[i]:  # it keeps none of it (ZeRO-1: another rank's): its step, no read
+                steps[i] = int(found.read[OPTIM][found.names[id(p)]]["step"])
+                continue
+            entry = self.saved(i)
+            if entry is not None and parts and portable_codes.fits_as_kept(p, parts, entry):
+                portable_codes.put_as_kept(p, parts, entry)  # its bits: the same as decoded and encoded, sooner
+            else:
+                # the weight came from the checkpoint as it was: rounding the master again may differ at ties
+                owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)),
+                          weights_follow=False)  # fmt: skip
+            if entry is not None:
+                steps[i] = int(entry["step"])
+        owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
+
     def _read(self, batch: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         f = self.found
         target = _target(f.params, self.moments, f.names, batch)
@@ -355,24 +379,7 @@ def _streamed(found: _Checked, optimizer: Any) -> float:
     if not owner.built:
         optimizer.pending_state = reader  # its build takes the pending state, a parameter after another
         return weights
-    owner.check_settled()
-    owner.settle_state()
-    coded, steps = owner.precision.coded_moments, {}
-    for i, p in enumerate(found.params):
-        parts = owner.raw(i) if coded else None
-        if parts == [] and reader.moments[i]:  # it keeps none of it (ZeRO-1: another rank's): its step, no read
-            steps[i] = int(found.read[OPTIM][found.names[id(p)]]["step"])
-            continue
-        entry = reader.saved(i)
-        if entry is not None and parts and portable_codes.fits_as_kept(p, parts, entry):
-            portable_codes.put_as_kept(p, parts, entry)  # its bits: the same as decoded and encoded, sooner
-        else:
-            # the weight came from the checkpoint as it was: rounding the master again may differ at ties
-            owner.put(i, None if entry is None else _owned_entry(p, portable_codes.decoded(p, entry)),
-                      weights_follow=False)  # fmt: skip
-        if entry is not None:
-            steps[i] = int(entry["step"])
-    owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
+    reader.put_into(owner)
     return weights
 
 

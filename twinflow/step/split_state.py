@@ -264,7 +264,11 @@ class SplitState(WholeParams):
 
     @torch.no_grad()
     def load(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master."""
+        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master; a
+        portable checkpoint's reader puts its state itself (its codes as saved where they fit, the weights kept)."""
+        if hasattr(loaded, "put_into"):
+            loaded.put_into(self)
+            return
         self.handed.clear()  # copies of the state being replaced
         for i in range(len(self.params)):
             self.put(i, loaded.get(i))
