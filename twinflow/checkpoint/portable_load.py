@@ -331,6 +331,11 @@ class StateReader:
             self.current = (-1, {})  # the batch's last parameter: nothing of it is asked for again
         return entry
 
+    def copied(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every parameter's state read and decoded into new tensors (what a copy of the optimizer still waiting
+        for it holds)."""
+        return {i: entry for i in range(len(self.found.params)) if (entry := self.get(i)) is not None}
+
     def put_into(self, owner: Any) -> None:
         """Writes the saved state into the built state owner `owner` (a load's, or the build's of a pending load
         under ratio="auto"): each parameter's codes, scales and 24-bit masters as they were saved where they fit its

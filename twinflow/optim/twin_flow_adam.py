@@ -34,7 +34,7 @@ from twinflow.precision.state_owner import OptimizerState
 from twinflow.precision.state_precision import check_name as check_state_precision
 from twinflow.step.coordinator import StepCoordinator
 from twinflow.step.settings import Settings
-from twinflow.step.split_state import ENTRY_KEYS, check_not_grouped, read_params, validated
+from twinflow.step.split_state import ENTRY_KEYS, CheckedEntries, check_not_grouped, read_params, validated
 from twinflow.step.step_scale import check_max_grad_norm
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         self._states.bind(self.coordinator.split)  # its index tells parameters from other keys before 'auto' builds
         self.device, self.state_extras = self.coordinator.split.device, self._states.extras  # (opt.state unsynced)
         self.attachment: Attachment | None = None  # the hooks of attach()
-        self.pending_state: Any = None  # loaded before ratio='auto' built: by index (dict, or a .get: a reader)
+        self.pending_state: Any = None  # loaded before ratio='auto' built: CheckedEntries, or a checkpoint's reader
         self.offload = offload_states.StateOffload()  # what offload_states() moved out, and its host buffer
         self.register_load_state_dict_post_hook(_put_taken_state, prepend=True)
         self.register_state_dict_post_hook(_plain_entries, prepend=True)
@@ -342,7 +342,7 @@ class TwinFlowAdam(torch.optim.Optimizer):
         """The entries :meth:`take_state` checked go into the buffers (kept for the build under ratio='auto')."""
         if self.pending_state is not None and self.coordinator.split.built:
             taken, self.pending_state = self.pending_state, None
-            self.coordinator.split.load(taken)
+            taken.put_into(self.coordinator.split)
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy needs: settings, param groups and each stepped parameter's state (not the attachment)."""
@@ -380,7 +380,7 @@ def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
     if ours["state"] and split.built:
         split.load(ours["state"])
     elif ours["state"]:  # ratio='auto' still to decide: its build takes the state
-        opt.pending_state = ours["state"]
+        opt.pending_state = CheckedEntries(ours["state"])
     per_param, other = ours.get("extras", ({}, {}))
     return {**other, **{split.params[i]: entry for i, entry in per_param.items()}}
 
@@ -399,12 +399,8 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
         split.check_settled()  # between backward and step() the CPU may still be writing the state
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in split.export().items()}
-    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too (a reader: read now,
-        # decoded: new tensors; a state dict's entries copied; the user's own keys travel in the extras below)
-        pending, read = opt.pending_state, not isinstance(opt.pending_state, dict)
-        entries = ((i, pending.get(i)) for i in range(len(split.params)))
-        state = {i: {k: v if read else torch.as_tensor(v).clone() for k, v in e.items() if k in ENTRY_KEYS}
-                 for i, e in entries if e is not None}  # fmt: skip
+    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too, in new tensors
+        state = opt.pending_state.copied()  # (the user's own keys travel in the extras below)
     settings = {key: getattr(opt, key) for key in _SETTINGS}
     ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps, "extras": opt.state.extras()}
     return {"defaults": opt.defaults, "param_groups": opt.param_groups, "twinflow": ours}

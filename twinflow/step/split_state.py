@@ -264,11 +264,7 @@ class SplitState(WholeParams):
 
     @torch.no_grad()
     def load(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master; a
-        portable checkpoint's reader puts its state itself (its codes as saved where they fit, the weights kept)."""
-        if hasattr(loaded, "put_into"):
-            loaded.put_into(self)
-            return
+        """Sets every parameter's state from `loaded` (by index; absent: fresh), and its weights from a master."""
         self.handed.clear()  # copies of the state being replaced
         for i in range(len(self.params)):
             self.put(i, loaded.get(i))
@@ -339,9 +335,25 @@ class SplitState(WholeParams):
             self.versions.note(i)
 
 
-def validated(
-    split: SplitState, state_dict: dict[str, Any], param_groups: list[dict]
-) -> dict[int, dict[str, torch.Tensor]]:
+class CheckedEntries:
+    """A state dict's entries by parameter index, checked (:func:`validated`), until the built state takes them.
+    A loaded state waiting for its owner has these two methods; a portable checkpoint's reader is the other kind."""
+
+    def __init__(self, entries: dict[int, dict[str, Any]]) -> None:
+        self.entries = entries
+
+    def put_into(self, owner: SplitState) -> None:
+        """Sets the built `owner`'s state from the entries (every other parameter's fresh), its weights from a
+        master."""
+        owner.load(self.entries)
+
+    def copied(self) -> dict[int, dict[str, torch.Tensor]]:
+        """New tensors of each entry's Adam state (what a copy of the optimizer still waiting for them holds)."""
+        return {i: {k: torch.as_tensor(v).clone() for k, v in e.items() if k in ENTRY_KEYS}
+                for i, e in self.entries.items()}  # fmt: skip
+
+
+def validated(split: SplitState, state_dict: dict[str, Any], param_groups: list[dict]) -> CheckedEntries:
     """The state dict's per-parameter entries by our index, checked (raises before anything changes)."""
     groups = state_dict["param_groups"]
     if len(groups) != len(param_groups):
@@ -382,7 +394,7 @@ def validated(
                 raise ValueError(f"state of parameter {i}: {key} has {entry[key].numel()} elements, expected "
                                  f"{split.locals[i].numel()}")  # fmt: skip
         loaded[i] = entry
-    return loaded
+    return CheckedEntries(loaded)
 
 
 def summary(split: SplitState, ratio: float, placement: str, pinned_bytes: int, chunks: int) -> dict[str, Any]:
