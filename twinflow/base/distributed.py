@@ -16,14 +16,19 @@ except ImportError:  # torch without torch.distributed
     DTensor = None
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether `t` is a DTensor (FSDP2's parameters, gradients and what a checkpoint holds of them)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds: a DTensor's local shard (FSDP2), else the tensor itself."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def mesh_group(params: list[torch.Tensor]) -> object | None:
     """The process group of the first DTensor's device mesh (FSDP2's shard group), else None."""
-    return next((p.device_mesh.get_group() for p in params if DTensor is not None and isinstance(p, DTensor)), None)
+    return next((p.device_mesh.get_group() for p in params if is_dtensor(p)), None)
 
 
 def all_ranks_norm(norm: torch.Tensor, norm_type: float, group: object) -> torch.Tensor:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinflow.base.distributed import local, rank_and_world
+from twinflow.base.distributed import is_dtensor, local, rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
@@ -100,7 +100,7 @@ def _logical(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     `p`'s shape, a DTensor over `p`'s mesh where `p` is one (a 0-dimensional `value`, the step, stays itself)."""
     if value.dim() == 0 and p.dim() != 0:
         return value
-    if DTensor is not None and isinstance(p, DTensor):
+    if is_dtensor(p):
         piece = value.reshape(local(p).shape)
         return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())  # fmt: skip
@@ -123,7 +123,7 @@ def host_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     one, its piece in host memory (DTensor.from_local would move a host piece to the mesh's GPU; the copy of a
     placeholder over no memory to the host is made there)."""
     dtype = dtype or t.dtype
-    if DTensor is not None and isinstance(t, DTensor):
+    if is_dtensor(t):
         return planned_tensor(t, dtype).to("cpu", copy=True)
     return torch.empty(t.shape, dtype=dtype)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from twinflow.base.distributed import local
+from twinflow.base.distributed import is_dtensor, local
 from twinflow.precision import compact, weight_master
 from twinflow.precision.compact import BLOCK
 from twinflow.precision.state_owner import FP32, M24, RESIDUAL, WEIGHT
@@ -36,10 +36,9 @@ from twinflow.precision.state_owner import FP32, M24, RESIDUAL, WEIGHT
 try:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover (torch >= 2.4 has them)
-    DTensor = None
+except ImportError:  # pragma: no cover (torch >= 2.4 has them; a DTensor is never met without them)
+    pass
 
 MOMENTS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}  # each moment's codes' dtype
 CODES, SCALES = "codes", "scales"
@@ -85,7 +84,7 @@ def moment_of(key: str) -> str:
 
 def held_box(p: torch.Tensor) -> tuple[list[int], list[int]]:
     """The shape of what this process holds of `p` and its offset in `p`, by dimension."""
-    if DTensor is not None and isinstance(p, DTensor):
+    if is_dtensor(p):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return list(shape), list(offset)
     return list(p.shape), [0] * p.dim()

@@ -21,25 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinflow.base.distributed import local
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover (torch >= 2.4 has it)
-    DTensor = None
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+from twinflow.base.distributed import is_dtensor, local
 
 
 def _fits(kept: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `kept` holds a copy of a tensor like `like` in `dtype`: the same shapes, mesh and placements."""
     if kept.dtype != dtype or kept.shape != like.shape or local(kept).shape != local(like).shape:
         return False
-    if _is_dtensor(like):  # the same mesh object: one made again (a new process group) gets new copies
-        return _is_dtensor(kept) and kept.device_mesh is like.device_mesh and kept.placements == like.placements
-    return not _is_dtensor(kept)
+    if is_dtensor(like):  # the same mesh object: one made again (a new process group) gets new copies
+        return is_dtensor(kept) and kept.device_mesh is like.device_mesh and kept.placements == like.placements
+    return not is_dtensor(kept)
 
 
 class HostCopies:
