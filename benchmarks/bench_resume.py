@@ -167,7 +167,8 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true",
-                        help="the 30 costliest calls of the load, or of the (last) asynchronous save call")  # fmt: skip
+                        help="the 30 costliest calls of the load and of the first step after it (which builds "
+                             "the state under ratio='auto'), or of the (last) asynchronous save call")  # fmt: skip
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -234,8 +235,12 @@ def main() -> None:
         row["load"] = peak.report()
         row["global_steps_loaded"] = engine.global_steps
         first = engine.global_steps
-        row["losses_after"], row["seconds_after"] = train(engine, range(first, first + args.after), args, rank,
-                                                          world, device, vocab)  # fmt: skip
+        # the first step builds the state under ratio="auto" and reads the loaded state then: profiled on its own
+        with HostPeak() as peak, profiled(args.profile, row, "first_step_profile"):
+            losses, seconds = train(engine, range(first, first + 1), args, rank, world, device, vocab)
+        row["first_step"] = peak.report()
+        more = train(engine, range(first + 1, first + args.after), args, rank, world, device, vocab)
+        row["losses_after"], row["seconds_after"] = losses + more[0], seconds + more[1]
     row["ratio"] = engine.local_optimizer.ratio
     row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else None
     row["peak_host_gib"] = proc_status_bytes("VmHWM") / GIB

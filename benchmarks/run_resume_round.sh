@@ -6,7 +6,8 @@
 #   bash benchmarks/run_resume_round.sh load M MODEL [CONFIG]   # M ranks: the load, the same AFTER steps, compared
 #   bash benchmarks/run_resume_round.sh async N MODEL [CONFIG]  # N ranks, a fresh checkpoint saved asynchronously
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
-# LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER. NVLink multicast stays off.
+# LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
+# load and the first step after it, or the asynchronous save's call, profiled into the JSON). NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,6 +25,7 @@ if [ "$what" = tests ]; then
 fi
 n=$2 model=$3 cfg=${4:-benchmarks/configs/opt-13b-x4-compact-auto.json}
 run="timeout $limit torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
+[ "${PROFILE:-0}" = 1 ] && run="$run --profile"
 name="${model}_${what}${n}"
 case $what in
 save | async)
