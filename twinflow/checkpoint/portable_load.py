@@ -332,9 +332,10 @@ class StateReader:
         return entry
 
     def copied(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every parameter's state read and decoded into new tensors (what a copy of the optimizer still waiting
-        for it holds)."""
-        return {i: entry for i in range(len(self.found.params)) if (entry := self.get(i)) is not None}
+        """Every parameter's state, read and decoded (what a copy of the optimizer still waiting for it holds; a
+        load copies each tensor into its own buffers)."""
+        entries = ((i, self.get(i)) for i in range(len(self.found.params)))
+        return {i: {k: v for k, v in e.items() if k in OWNED} for i, e in entries if e is not None}
 
     def put_into(self, owner: Any) -> None:
         """Writes the saved state into the built state owner `owner` (a load's, or the build's of a pending load

@@ -336,8 +336,9 @@ class SplitState(WholeParams):
 
 
 class CheckedEntries:
-    """A state dict's entries by parameter index, checked (:func:`validated`), until the built state takes them.
-    A loaded state waiting for its owner has these two methods; a portable checkpoint's reader is the other kind."""
+    """A state dict's entries by parameter index (checked: :func:`validated`; or a copied optimizer's), until the
+    built state takes them. A loaded state waiting for its owner has these two methods; a portable checkpoint's
+    reader is the other kind."""
 
     def __init__(self, entries: dict[int, dict[str, Any]]) -> None:
         self.entries = entries
