@@ -377,10 +377,9 @@ def _restored(opt: TwinFlowAdam, state: dict[str, Any]) -> dict[Any, Any]:
     TwinFlowAdam.__init__(opt, state["param_groups"], **hyper, **settings)
     opt.coordinator.skipped_steps = ours["skipped_steps"]
     split = opt.coordinator.split
-    if ours["state"] and split.built:
-        split.load(ours["state"])
-    elif ours["state"]:  # ratio='auto' still to decide: its build takes the state
+    if ours["state"]:  # applied now where the state is built; under ratio='auto' still to decide, by its build
         opt.pending_state = CheckedEntries(ours["state"])
+        opt.apply_pending_state()
     per_param, other = ours.get("extras", ({}, {}))
     return {**other, **{split.params[i]: entry for i, entry in per_param.items()}}
 
@@ -399,7 +398,7 @@ def _pickled(opt: TwinFlowAdam) -> dict[str, Any]:
         split.check_settled()  # between backward and step() the CPU may still be writing the state
         opt.synchronize()
         state = {i: {k: v.clone() for k, v in e.items()} for i, e in split.export().items()}
-    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too, in new tensors
+    elif opt.pending_state is not None:  # loaded, waiting for that build: the copy holds it too
         state = opt.pending_state.copied()  # (the user's own keys travel in the extras below)
     settings = {key: getattr(opt, key) for key in _SETTINGS}
     ours = {"settings": settings, "state": state, "skipped_steps": opt.skipped_steps, "extras": opt.state.extras()}
