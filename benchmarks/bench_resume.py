@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 import twinflow  # noqa: E402
 from benchmarks.common import machine_info, proc_status_bytes, write_json  # noqa: E402
+from twinflow.checkpoint import portable_load  # noqa: E402
 from twinflow.models import build_opt  # noqa: E402
 
 GIB = 2**30
@@ -171,6 +172,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--reference", type=Path, help="--load: the saving run's JSON, to compare the losses with")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--read-threads",
+        type=int,
+        default=None,
+        help="--load: the threads the load copies mapped files on (default: the library's)",
+    )
     parser.add_argument("--profile", action="store_true",
                         help="the 30 costliest calls of the load and of the first step after it (which builds "
                              "the state under ratio='auto'), or of the (last) asynchronous save call")  # fmt: skip
@@ -235,6 +242,9 @@ def main() -> None:
             normal = statistics.median(row["seconds_after"])
             row["async_step_over_normal"] = statistics.median(row["seconds_during_async_save"]) / normal
     else:
+        if args.read_threads:
+            portable_load.READ_THREADS = args.read_threads
+        row["read_threads"] = portable_load.READ_THREADS
         with HostPeak() as peak, profiled(args.profile, row, "load_profile"):
             engine.load_checkpoint(args.ckpt, args.tag)
         row["load"] = peak.report()

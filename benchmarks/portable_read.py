@@ -1,12 +1,14 @@
 """The read step of a portable load: DCP's own file reader against the one ``load_portable`` uses.
 
     python benchmarks/portable_read.py [--layers 16] [--precision int8_m24] [--rounds 3] [--threads 1 2]
+                                       [--read-threads 1 8]
 
 A stack of bf16 linear layers (2048 x 8192, 16.8M elements each) with TwinFlowAdam at ratio 0.5 takes a step and
 is saved with ``save_portable`` (a file a tensor); then ``dcp.load`` reads the whole checkpoint into new host
 tensors with ``torch.distributed.checkpoint.FileSystemReader`` and with
-:class:`twinflow.checkpoint.portable_load.MappedReader`, alternately, in one process (the files in the page cache after
-the first read), at each torch thread count given (torchrun leaves a rank one). Every tensor read is compared bit
+:class:`twinflow.checkpoint.portable_load.MappedReader` copying on each count of --read-threads ("mapped:K"),
+alternately, in one process (the files in the page cache after the first read), at each torch thread count given
+(torchrun leaves a rank one). Every tensor read is compared bit
 for bit with the first read's. Writes JSON (--out, else $OUT, else benchmarks/results/): seconds per read.
 """
 
@@ -60,7 +62,10 @@ def leaves(tree: dict) -> list[torch.Tensor]:
 
 def read(folder: Path, reader: str) -> tuple[float, list[torch.Tensor]]:
     tree = targets(folder)
-    storage = portable_load.MappedReader(folder) if reader == "mapped" else portable.dcp.FileSystemReader(folder)
+    if reader.startswith("mapped:"):
+        storage = portable_load.MappedReader(folder, threads=int(reader.split(":")[1]))
+    else:
+        storage = portable.dcp.FileSystemReader(folder)
     start = time.perf_counter()
     portable.dcp.load(tree, checkpoint_id=folder, storage_reader=storage)
     return time.perf_counter() - start, leaves(tree)
@@ -72,6 +77,7 @@ def main() -> None:
     parser.add_argument("--precision", default="int8_m24")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--read-threads", type=int, nargs="+", default=[1, portable_load.READ_THREADS])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,19 +86,21 @@ def main() -> None:
         folder = folder / "t"
         _, reference = read(folder, "dcp")  # also puts the files in the page cache
         seconds: dict[str, list[float]] = {}
+        readers = ["dcp"] + [f"mapped:{k}" for k in dict.fromkeys(args.read_threads)]
         for _ in range(args.rounds):
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                for reader in ("dcp", "mapped") if len(seconds) % 2 == 0 else ("mapped", "dcp"):
+                for reader in readers if len(seconds) % 2 == 0 else readers[::-1]:
                     took, got = read(folder, reader)
                     same = all(a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8))
                                for a, b in zip(reference, got, strict=True))  # fmt: skip
                     if not same:
                         raise SystemExit(f"{reader} read other bits than DCP's reader's first read")
                     seconds.setdefault(f"{reader}@{threads}", []).append(took)
-                    print(f"{reader:6} {threads} thread(s): {took:.2f} s", flush=True)
+                    print(f"{reader:9} {threads} torch thread(s): {took:.2f} s", flush=True)
     rows = {k: {"seconds": v, "median": statistics.median(v), "fastest": min(v)} for k, v in seconds.items()}
-    ratios = {t: rows[f"dcp@{t}"]["median"] / rows[f"mapped@{t}"]["median"] for t in args.threads}
+    ratios = {f"{r}@{t}": rows[f"dcp@{t}"]["median"] / rows[f"{r}@{t}"]["median"]
+              for t in args.threads for r in readers[1:]}  # fmt: skip
     result = {"command": sys.argv, "elements": elements, "precision": args.precision, "bits_equal": True,
               "rows": rows, "dcp_over_mapped_median": ratios, "machine": machine_info()}  # fmt: skip
     print({t: round(r, 2) for t, r in ratios.items()})

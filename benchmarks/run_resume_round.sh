@@ -7,7 +7,8 @@
 #   bash benchmarks/run_resume_round.sh async N MODEL [CONFIG]  # N ranks, a fresh checkpoint saved asynchronously
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
-# load and the first step after it, or the asynchronous save's call, profiled into the JSON). NVLink multicast stays off.
+# load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
+# copies the mapped files on K threads; NAME=S adds S to the output's name. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +27,8 @@ fi
 n=$2 model=$3 cfg=${4:-benchmarks/configs/opt-13b-x4-compact-auto.json}
 run="timeout $limit torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
 [ "${PROFILE:-0}" = 1 ] && run="$run --profile"
-name="${model}_${what}${n}"
+[ -n "${READ_THREADS:-}" ] && run="$run --read-threads $READ_THREADS"
+name="${model}_${what}${n}${NAME:-}"
 case $what in
 save | async)
     rm -rf "$ck" && mkdir -p "$ck"

@@ -234,6 +234,43 @@ def test_a_portable_checkpoint_saved_before_checksums_still_loads(tmp_path) -> N
     assert all(a.equal(b) for a, b in zip(model.parameters(), other.parameters()))
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_mapped_reader_reads_what_dcps_reader_reads_on_any_thread_count(tmp_path, monkeypatch,
+                                                                           threads: int) -> None:  # fmt: skip
+    """Every tensor of a checkpoint (weights, fp32 and compact state, steps) read by the load's reader, its files
+    copied on `threads` threads into targets poisoned with NaN (0xFF bytes), holds the bits DCP's own reader reads,
+    and each piece the plan asks for is committed once."""
+    model, opt = _single(0)
+    opt.state_precision = "int8_m24"
+    _train(model, opt, 2)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    metadata = portable.dcp.FileSystemReader(folder).read_metadata()
+
+    def targets() -> dict:
+        return {key: torch.full(meta.size, -1, dtype=torch.int8).view(meta.properties.dtype)
+                if meta.properties.dtype.itemsize == 1 else
+                torch.full(meta.size, float("nan"), dtype=meta.properties.dtype)
+                for key, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}  # fmt: skip
+
+    expected, got = targets(), targets()
+    portable.dcp.load(expected, checkpoint_id=folder, storage_reader=portable.dcp.FileSystemReader(folder),
+                      no_dist=True)  # fmt: skip
+    committed = collections.Counter()
+    commit = portable_load.DefaultLoadPlanner.commit_tensor
+
+    def counted(self, read_item, tensor):  # noqa: ANN001, ANN202
+        committed[read_item.dest_index.fqn] += 1
+        return commit(self, read_item, tensor)
+
+    monkeypatch.setattr(portable_load.DefaultLoadPlanner, "commit_tensor", counted)
+    reader = portable_load.MappedReader(folder, metadata, threads=threads)
+    portable.dcp.load(got, checkpoint_id=folder, storage_reader=reader, no_dist=True)
+    assert reader.threads == threads and len(expected) > 10 and set(committed.values()) == {1}
+    assert set(committed) == set(expected)
+    for key, tensor in expected.items():
+        assert tensor.view(-1).view(torch.uint8).equal(got[key].view(-1).view(torch.uint8)), key
+
+
 def _state_reads(monkeypatch) -> list[int]:  # noqa: ANN001
     """The elements of optimizer state each of the load's reads asks for (filled as it reads), with batches of
     4 x 300 elements: the biases' batch, each 300 x 300 weight's state alone."""
