@@ -8,7 +8,8 @@
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
 # load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
-# copies the mapped files on K threads; NAME=S adds S to the output's name. NVLink multicast stays off.
+# copies on K threads; NAME=S adds S to the output's name; SPY=1 samples every thread with py-spy (on the PATH) into
+# $OUT/NAME.spy.txt (benchmarks/spy_summary.py reads it). NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -25,10 +26,12 @@ if [ "$what" = tests ]; then
     exit $rc
 fi
 n=$2 model=$3 cfg=${4:-benchmarks/configs/opt-13b-x4-compact-auto.json}
-run="timeout $limit torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
+name="${model}_${what}${n}${NAME:-}"
+spy=""
+[ "${SPY:-0}" = 1 ] && spy="py-spy record -o $OUT/$name.spy.txt --format raw --rate 20 --subprocesses --idle --threads --"
+run="timeout $limit $spy torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
 [ "${PROFILE:-0}" = 1 ] && run="$run --profile"
 [ -n "${READ_THREADS:-}" ] && run="$run --read-threads $READ_THREADS"
-name="${model}_${what}${n}${NAME:-}"
 case $what in
 save | async)
     rm -rf "$ck" && mkdir -p "$ck"
