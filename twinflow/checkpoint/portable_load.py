@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from twinflow.base.distributed import local, rank_and_world
-from twinflow.base.node import torch_threads
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
@@ -63,7 +62,7 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
-READ_THREADS = min(8, os.cpu_count() or 1)  # threads a load copies on (files; the state into its owner)
+READ_THREADS = min(8, os.cpu_count() or 1)  # threads a load copies mapped files on
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 
@@ -357,15 +356,10 @@ class StateReader:
         """Writes the saved state into the built state owner `owner` (a load's, or the build's of a pending load
         under ratio="auto"): each parameter's codes, scales and 24-bit masters as they were saved where they fit its
         parts, else decoded and encoded again; the weights stay as the load read them."""
+        found = self.found
         owner.check_settled()
         owner.settle_state()
         coded, steps = owner.precision.coded_moments, {}
-        with torch_threads(READ_THREADS):  # the host's copies of the codes and masters on more than torchrun's one
-            self._put_each(owner, coded, steps)
-        owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
-
-    def _put_each(self, owner: Any, coded: bool, steps: dict[int, int]) -> None:
-        found = self.found
         for i, p in enumerate(found.params):
             parts = owner.raw(i) if coded else None
             if parts == [] and self.moments[i]:  # it keeps none of it (ZeRO-1: another rank's): its step, no read
@@ -380,6 +374,7 @@ class StateReader:
                           weights_follow=False)  # fmt: skip
             if entry is not None:
                 steps[i] = int(entry["step"])
+        owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
 
     def _read(self, batch: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         f = self.found
