@@ -36,10 +36,11 @@ KEYS = ("master",) + MOMENTS  # a piece's state, in the kernel's order
 class Fp32Codec:
     """float32 masters and moments: one flat buffer each, a view per piece; an optional scratch twin."""
 
-    def __init__(self, total: int, pieces: list[Piece]) -> None:
-        # the masters to be written; the moments fresh (zero), as the 8-bit codec's
+    def __init__(self, total: int, pieces: list[Piece], masters_from_gpu: bool = False) -> None:
+        # the masters to be written (`masters_from_gpu`: zeros, see Int8Codec); the moments fresh (zero)
         f32 = torch.float32  # named: torch's default dtype may be another
-        self.buffers = [torch.empty(total, dtype=f32), torch.zeros(total, dtype=f32), torch.zeros(total, dtype=f32)]
+        masters = torch.zeros(total, dtype=f32) if masters_from_gpu else torch.empty(total, dtype=f32)
+        self.buffers = [masters, torch.zeros(total, dtype=f32), torch.zeros(total, dtype=f32)]
         self.pieces = pieces
         self.sets = [self.slices(self.buffers)]
 
@@ -91,8 +92,14 @@ class Int8Codec:
     elements a second for a load's encoding with the host's 16 threads, benchmarks/host_codes_convert.py; more
     where torchrun leaves a rank fewer), the host otherwise."""
 
-    def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: Callable[[], torch.device]) -> None:
-        self.master = compact.Master24.empty(total) if master24 else torch.empty(total, dtype=torch.float32)
+    def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: Callable[[], torch.device],
+                 masters_from_gpu: bool = False) -> None:  # fmt: skip
+        # `masters_from_gpu`: zeros, not empty, so that the pages are touched here, in the builder's threads, not by
+        # the masters' first copy from the GPU (1.1-1.3 GB/s into new host memory, 12 into memory touched before)
+        if master24:
+            self.master = compact.Master24.zeros(total) if masters_from_gpu else compact.Master24.empty(total)
+        else:
+            self.master = (torch.zeros if masters_from_gpu else torch.empty)(total, dtype=torch.float32)
         self.masters = [self.master[pc.state_offset : pc.state_offset + pc.numel] for pc in pieces]
         self.q8 = [compact.fresh(pc.numel) for pc in pieces]
         self.convert_on = convert_on
@@ -170,10 +177,11 @@ class HostState:
         self.pieces = pieces
         self.precision = precision = precisions.of(precision)
         self.convert_on(convert_on)
+        from_gpu = self.conversion_device.type == "cuda"  # the weights the masters are first written from are there
         self.codec = (
-            Int8Codec(total, pieces, precision.masters24, lambda: self.conversion_device)
+            Int8Codec(total, pieces, precision.masters24, lambda: self.conversion_device, from_gpu)
             if precision.coded_moments
-            else Fp32Codec(total, pieces)
+            else Fp32Codec(total, pieces, from_gpu)
         )
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
         self.pieces_of = by_param(pieces)

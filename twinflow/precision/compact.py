@@ -210,6 +210,10 @@ class Master24:
     def empty(cls, n: int) -> Master24:
         return cls(torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.uint8))
 
+    @classmethod
+    def zeros(cls, n: int) -> Master24:
+        return cls(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.uint8))
+
     def __getitem__(self, index: slice) -> Master24:
         return Master24(self.hi[index], self.lo[index])
 
