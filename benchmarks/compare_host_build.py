@@ -1,7 +1,7 @@
 """The CPU share's state build (TwinFlowAdam's construction at ratio 1) of two checkouts, as a torchrun rank does it.
 
     python benchmarks/compare_host_build.py --before OLD_TREE --after . --params 300000000 --threads 2 \
-        --rounds 4 [--precisions int8_m24 fp32] [--device cpu] [--dtype bf16] [--out FILE]
+        --rounds 4 [--precisions int8_m24 fp32] [--device cpu] [--dtype bfloat16] [--out FILE]
 
 Each process sets torch to one thread (torchrun's OMP_NUM_THREADS=1) and TWINFLOW_NUM_THREADS to --threads (the
 rank's share of the host's cores), makes one parameter of --params elements (--dtype, on --device: "cuda" for

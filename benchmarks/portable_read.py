@@ -87,10 +87,10 @@ def main() -> None:
         _, reference = read(folder, "dcp")  # also puts the files in the page cache
         seconds: dict[str, list[float]] = {}
         readers = ["dcp"] + [f"mapped:{k}" for k in dict.fromkeys(args.read_threads)]
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                for reader in readers if len(seconds) % 2 == 0 else readers[::-1]:
+                for reader in readers if r % 2 == 0 else readers[::-1]:  # each round the other order
                     took, got = read(folder, reader)
                     same = all(a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8))
                                for a, b in zip(reference, got, strict=True))  # fmt: skip

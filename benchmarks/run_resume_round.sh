@@ -9,7 +9,8 @@
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
 # load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
 # copies on K threads; NAME=S adds S to the output's name; SPY=1 samples every thread with py-spy (on the PATH) into
-# $OUT/NAME.spy.txt (benchmarks/spy_summary.py reads it). NVLink multicast stays off.
+# $OUT/<the output's name>.spy.txt (benchmarks/spy_summary.py reads it; a run that wrote no JSON fails, as py-spy
+# exits 0 whatever its child did). NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -55,6 +56,7 @@ load)
     exit 2
     ;;
 esac
+[ -n "$spy" ] && [ "$rc" = 0 ] && [ ! -s "$OUT/$name.json" ] && { echo "the sampled run wrote no $name.json" >&2; rc=1; }
 grep -v -e Warning -e "warnings.warn" "$OUT/$name.log" | tail -25
 free -g | head -2
 exit $rc

@@ -238,8 +238,8 @@ def test_a_portable_checkpoint_saved_before_checksums_still_loads(tmp_path) -> N
 def test_the_mapped_reader_reads_what_dcps_reader_reads_on_any_thread_count(tmp_path, monkeypatch,
                                                                            threads: int) -> None:  # fmt: skip
     """Every tensor of a checkpoint (weights, fp32 and compact state, steps) read by the load's reader, its files
-    copied on `threads` threads into targets poisoned with NaN (0xFF bytes), holds the bits DCP's own reader reads,
-    and each piece the plan asks for is committed once."""
+    copied on `threads` threads into poisoned targets (NaN; bytes 0xFF), holds the bits DCP's own reader reads;
+    each piece the plan asks for is committed once, and none is left to DCP's reader."""
     model, opt = _single(0)
     opt.state_precision = "int8_m24"
     _train(model, opt, 2)
@@ -262,9 +262,18 @@ def test_the_mapped_reader_reads_what_dcps_reader_reads_on_any_thread_count(tmp_
         committed[read_item.dest_index.fqn] += 1
         return commit(self, read_item, tensor)
 
+    left: list[int] = []  # the pieces each read leaves to DCP's own reader
+    dcp_read = portable_load.FileSystemReader.read_data
+
+    def leaves(self, plan, planner):  # noqa: ANN001, ANN202
+        left.append(len(plan.items))
+        return dcp_read(self, plan, planner)
+
     monkeypatch.setattr(portable_load.DefaultLoadPlanner, "commit_tensor", counted)
+    monkeypatch.setattr(portable_load.FileSystemReader, "read_data", leaves)
     reader = portable_load.MappedReader(folder, metadata, threads=threads)
     portable.dcp.load(got, checkpoint_id=folder, storage_reader=reader, no_dist=True)
+    assert left == [0], left  # every piece went through the mapped, threaded copies
     assert reader.threads == threads and len(expected) > 10 and set(committed.values()) == {1}
     assert set(committed) == set(expected)
     for key, tensor in expected.items():

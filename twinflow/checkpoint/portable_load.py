@@ -62,7 +62,8 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
-READ_THREADS = min(8, os.cpu_count() or 1)  # threads a load copies mapped files on
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+READ_THREADS = min(8, CORES)  # threads a load copies mapped files on (of the cores this process may use)
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 
@@ -94,10 +95,9 @@ class MappedReader(FileSystemReader):
                 else:
                     target, source = pair
                     copies.append((item, target, pool.submit(target.copy_, source)))
-            for _, _, copy in copies:
-                copy.result()  # a read that failed raises here, before anything is committed
-        for item, target, _ in copies:
-            planner.commit_tensor(item, target)
+            for item, target, copy in copies:  # in the plan's order, each once its copy is done
+                copy.result()  # a copy that failed raises here (targets may be partly written: the caller says so)
+                planner.commit_tensor(item, target)  # (the planners here resolve to the state's own tensors)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     def _mapped(self, item: Any, planner: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
