@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from twinflow.base.distributed import local, rank_and_world
+from twinflow.base.node import allowed_cpus
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
@@ -62,8 +63,7 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-READ_THREADS = min(8, CORES)  # threads a load copies mapped files on (of the cores this process may use)
+READ_THREADS = min(8, len(allowed_cpus()))  # threads a load copies mapped files on (of the cores it may use)
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import zlib
 from pathlib import Path
 
+from twinflow.base.node import allowed_cpus
 from twinflow.checkpoint.checkpoint_files import CheckpointError, write_atomic
 
 SUMS = "twinflow.sums"
 READ = 64 << 20  # bytes read at a time: a sum holds no more than this
-THREADS = max(1, min(8, os.cpu_count() or 1))  # files summed at once (zlib and the reads let go of the interpreter)
+THREADS = max(1, min(8, len(allowed_cpus())))  # files summed at once (zlib and the reads let go of the interpreter)
 
 
 def file_sum(path: Path) -> int:
