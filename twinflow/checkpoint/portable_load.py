@@ -94,7 +94,8 @@ class MappedReader(FileSystemReader):
                     rest.append(item)
                 else:
                     target, source = pair
-                    copies.append((item, target, pool.submit(target.copy_, source)))
+                    stream = torch.cuda.current_stream(target.device) if target.is_cuda else None
+                    copies.append((item, target, pool.submit(_copy, target, source, stream)))
             for item, target, copy in copies:  # in the plan's order, each once its copy is done
                 copy.result()  # a copy that failed raises here (targets may be partly written: the caller says so)
                 planner.commit_tensor(item, target)  # (the planners here resolve to the state's own tensors)
@@ -118,6 +119,16 @@ class MappedReader(FileSystemReader):
         if target.size() != tensor.size():
             return None
         return target, tensor
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
+    """`target.copy_(source)` on a reader's thread, on the caller's `stream` where the target is a GPU's (a thread's
+    current stream is its own: the copy is then ordered before the caller's next work, as it was on its thread)."""
+    if stream is None:
+        target.copy_(source)
+        return
+    with torch.cuda.stream(stream):
+        target.copy_(source)
 
 
 class Folder:
