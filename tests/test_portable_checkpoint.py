@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam
+from twinflow.base import progress
 from twinflow.checkpoint import CheckpointError, portable, portable_load, portable_sums
 from twinflow.precision import compact
 
@@ -278,6 +279,58 @@ def test_the_mapped_reader_reads_what_dcps_reader_reads_on_any_thread_count(tmp_
     assert set(committed) == set(expected)
     for key, tensor in expected.items():
         assert tensor.view(-1).view(torch.uint8).equal(got[key].view(-1).view(torch.uint8)), key
+
+
+class _Meter:
+    """Records what a progress meter is told."""
+
+    def __init__(self, total: int, what: str, first_rank: bool) -> None:
+        self.total, self.what, self.first_rank, self.updates, self.closed = total, what, first_rank, [], 0
+
+    def update(self, n: int) -> None:
+        self.updates.append(n)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_save_and_a_loads_checks_count_every_byte_they_write_and_read(tmp_path, monkeypatch, capsys) -> None:
+    """The save's meter is given the bytes of every tensor DCP's index holds and is told each of them as it is
+    written, then closed once; the load's check of the files is told every file's size. Past the size where it
+    shows (made 0 here), a meter prints tenths and a total on the first rank's stderr; below it, nothing."""
+    model, opt = _single(0)
+    opt.state_precision = "int8_m24"
+    _train(model, opt, 2)
+    meters: list[_Meter] = []
+
+    def recorded(total: int, what: str, first_rank: bool) -> _Meter:
+        meters.append(_Meter(total, what, first_rank))
+        return meters[-1]
+
+    monkeypatch.setattr(portable, "shown", recorded)
+    monkeypatch.setattr(portable_sums, "shown", recorded)
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    metadata = portable.dcp.FileSystemReader(folder).read_metadata()
+    tensors = sum(math.prod(m.size) * m.properties.dtype.itemsize
+                  for m in metadata.state_dict_metadata.values() if hasattr(m, "size"))  # fmt: skip
+    (save,) = meters
+    assert save.what == "writing checkpoint 't'" and save.first_rank and save.closed == 1
+    assert save.total == tensors == sum(save.updates) and len(save.updates) > 10
+    other, other_opt = _single(1)
+    portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    check = meters[1]
+    files = sorted(folder.glob("*.distcp"))
+    assert check.what.startswith("checking ") and check.closed == 1 and check.first_rank
+    assert check.total == sum(f.stat().st_size for f in files) == sum(check.updates)
+    assert len(check.updates) == len(files)
+    monkeypatch.undo()
+    capsys.readouterr()
+    portable.save_portable(tmp_path / "quiet", "t", model=model, optimizer=opt)
+    assert "writing checkpoint" not in capsys.readouterr().err  # far below a GiB: nothing shown
+    monkeypatch.setattr(progress, "SHOWN_FROM", 0)
+    portable.save_portable(tmp_path / "shown", "t", model=model, optimizer=opt)
+    err = capsys.readouterr().err
+    assert "writing checkpoint 't': 50% (" in err and "writing checkpoint 't': 0.00 GB in" in err, err
 
 
 def _state_reads(monkeypatch) -> list[int]:  # noqa: ANN001

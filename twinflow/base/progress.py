@@ -48,3 +48,22 @@ class ByteProgress:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+SHOWN_FROM = 1 << 30  # bytes: a checkpoint's work shows its progress from this size on (smaller ends in seconds)
+
+
+class NoProgress:
+    """Stands in for a :class:`ByteProgress` where none is shown."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def shown(total: int, what: str, first_rank: bool) -> ByteProgress | NoProgress:
+    """A :class:`ByteProgress` of `total` bytes on the first rank where the work is at least ``SHOWN_FROM``
+    bytes; else one that shows nothing."""
+    return ByteProgress(total, what) if first_rank and total >= SHOWN_FROM else NoProgress()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import math
 import shutil
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ import torch.distributed as dist
 
 from twinflow.base.distributed import is_dtensor, local, rank_and_world
 from twinflow.base.notice import notice
+from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
@@ -271,11 +273,14 @@ def _with(state: dict[str, dict[str, Any]], each: Any) -> dict[str, dict[str, An
 
 
 class _ReadWhenWritten(DefaultSavePlanner):
-    """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it."""
+    """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it, and the
+    bytes this rank writes are counted as they are asked for (`progress`: shown on the first rank, past a size)."""
 
-    def __init__(self, deferred: dict[str, _Deferred | _DeferredScales]) -> None:
+    def __init__(self, deferred: dict[str, _Deferred | _DeferredScales], progress: str | None = None) -> None:
         super().__init__()
         self.deferred = deferred
+        self.progress, self.meter = progress, NoProgress()
+        self.sizes: dict[str, int] = {}  # each key's bytes in this rank's plan
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
@@ -285,7 +290,17 @@ class _ReadWhenWritten(DefaultSavePlanner):
                                "written in place of the previous tag (a twinflow bug: please report it)")  # fmt: skip
         return plan
 
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)  # what this rank writes, once DCP has left out other ranks' copies
+        for item, data in ((item, item.tensor_data) for item in plan.items if item.tensor_data is not None):
+            count = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+            self.sizes[item.index.fqn] = self.sizes.get(item.index.fqn, 0) + count
+        if self.progress is not None:
+            self.meter = shown(sum(self.sizes.values()), self.progress, rank_and_world()[0] == 0)
+        return plan
+
     def lookup_object(self, index: Any) -> Any:
+        self.meter.update(self.sizes.pop(index.fqn, 0))  # asked for as it is written
         deferred = self.deferred.get(index.fqn)
         if deferred is not None:
             return deferred.local()
@@ -464,7 +479,9 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
     planned = _with(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
-    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=_ReadWhenWritten(_deferred(state)))
+    planner = _ReadWhenWritten(_deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
+    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
+    planner.meter.close()
     _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
     return final

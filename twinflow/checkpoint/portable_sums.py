@@ -15,7 +15,9 @@ import re
 import zlib
 from pathlib import Path
 
+from twinflow.base.distributed import rank_and_world
 from twinflow.base.node import allowed_cpus
+from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint.checkpoint_files import CheckpointError, write_atomic
 
 SUMS = "twinflow.sums"
@@ -32,12 +34,19 @@ def file_sum(path: Path) -> int:
     return crc
 
 
-def file_sums(paths: list[Path]) -> list[int]:
-    """The CRC-32 of each file of `paths`, ``THREADS`` files at a time."""
-    if len(paths) <= 1:
-        return [file_sum(path) for path in paths]
-    with concurrent.futures.ThreadPoolExecutor(min(THREADS, len(paths)), thread_name_prefix="twinflow-sum") as pool:
-        return list(pool.map(file_sum, paths))
+def file_sums(paths: list[Path], progress: str | None = None, first_rank: bool = False) -> list[int]:
+    """The CRC-32 of each file of `paths`, ``THREADS`` files at a time; `progress`: what to call the work, shown
+    in bytes on the `first_rank` (past a size)."""
+    sizes = [path.stat().st_size for path in paths]
+    meter = shown(sum(sizes), progress, first_rank) if progress else NoProgress()
+    crcs = []
+    threads = max(1, min(THREADS, len(paths)))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="twinflow-sum") as pool:
+        for size, crc in zip(sizes, pool.map(file_sum, paths), strict=True):
+            crcs.append(crc)
+            meter.update(size)
+    meter.close()
+    return crcs
 
 
 def written_files(folder: Path) -> list[str]:
@@ -97,7 +106,8 @@ def check_files(folder: Path, needed: dict[str, int], sums: dict[str, list[int]]
             raise CheckpointError(f"{folder / name} {why}; nothing was changed: load another tag, or save it again")
     if sums is None:
         return
-    for name, crc in zip(names, file_sums([folder / name for name in names]), strict=True):
+    crcs = file_sums([folder / name for name in names], f"checking {folder}", rank_and_world()[0] == 0)
+    for name, crc in zip(names, crcs, strict=True):
         if crc != sums[name][1]:
             raise CheckpointError(f"{folder / name} differs from what the save wrote (its CRC-32 does not match: a "
                                   "damaged byte); nothing was changed: load another tag, or save it again")  # fmt: skip
