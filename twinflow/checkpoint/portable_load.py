@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from twinflow.base.distributed import local, rank_and_world
-from twinflow.base.node import allowed_cpus
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
@@ -51,7 +50,7 @@ from twinflow.checkpoint.portable import (
     tag_of,
 )
 from twinflow.checkpoint.portable_codes import OWNED, moment_of
-from twinflow.checkpoint.portable_sums import check_files, read_sums
+from twinflow.checkpoint.portable_sums import THREADS, check_files, read_sums
 
 try:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -63,7 +62,7 @@ except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them
     FileSystemReader = object
 
 CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
-READ_THREADS = min(8, len(allowed_cpus()))  # threads a load copies mapped files on (of the cores it may use)
+READ_THREADS = THREADS  # threads a load copies mapped files on: as many as sum the files
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
 
@@ -123,10 +122,8 @@ class MappedReader(FileSystemReader):
 
 def _copy(target: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
     """`target.copy_(source)` on a reader's thread, on the caller's `stream` where the target is a GPU's (a thread's
-    current stream is its own: the copy is then ordered before the caller's next work, as it was on its thread)."""
-    if stream is None:
-        target.copy_(source)
-        return
+    current stream is its own: the copy is then ordered before the caller's next work, as it was on its thread;
+    None: no stream)."""
     with torch.cuda.stream(stream):
         target.copy_(source)
 

@@ -36,11 +36,10 @@ KEYS = ("master",) + MOMENTS  # a piece's state, in the kernel's order
 class Fp32Codec:
     """float32 masters and moments: one flat buffer each, a view per piece; an optional scratch twin."""
 
-    def __init__(self, total: int, pieces: list[Piece], masters_from_gpu: bool = False) -> None:
-        # the masters to be written (`masters_from_gpu`: zeros, see Int8Codec); the moments fresh (zero)
+    def __init__(self, total: int, pieces: list[Piece], alloc: Callable[..., torch.Tensor] = torch.empty) -> None:
+        # the masters to be written (made by `alloc`: see HostState); the moments fresh (zero), as the 8-bit codec's
         f32 = torch.float32  # named: torch's default dtype may be another
-        masters = torch.zeros(total, dtype=f32) if masters_from_gpu else torch.empty(total, dtype=f32)
-        self.buffers = [masters, torch.zeros(total, dtype=f32), torch.zeros(total, dtype=f32)]
+        self.buffers = [alloc(total, dtype=f32), torch.zeros(total, dtype=f32), torch.zeros(total, dtype=f32)]
         self.pieces = pieces
         self.sets = [self.slices(self.buffers)]
 
@@ -93,13 +92,9 @@ class Int8Codec:
     where torchrun leaves a rank fewer), the host otherwise."""
 
     def __init__(self, total: int, pieces: list[Piece], master24: bool, convert_on: Callable[[], torch.device],
-                 masters_from_gpu: bool = False) -> None:  # fmt: skip
-        # `masters_from_gpu`: zeros, not empty, so that the pages are touched here, in the builder's threads, not by
-        # the masters' first copy from the GPU (1.1-1.3 GB/s into new host memory, 12 into memory touched before)
-        if master24:
-            self.master = compact.Master24.zeros(total) if masters_from_gpu else compact.Master24.empty(total)
-        else:
-            self.master = (torch.zeros if masters_from_gpu else torch.empty)(total, dtype=torch.float32)
+                 alloc: Callable[..., torch.Tensor] = torch.empty) -> None:  # fmt: skip
+        # the masters to be written, made by `alloc` (see HostState)
+        self.master = compact.Master24.empty(total, alloc) if master24 else alloc(total, dtype=torch.float32)
         self.masters = [self.master[pc.state_offset : pc.state_offset + pc.numel] for pc in pieces]
         self.q8 = [compact.fresh(pc.numel) for pc in pieces]
         self.convert_on = convert_on
@@ -177,11 +172,13 @@ class HostState:
         self.pieces = pieces
         self.precision = precision = precisions.of(precision)
         self.convert_on(convert_on)
-        from_gpu = self.conversion_device.type == "cuda"  # the weights the masters are first written from are there
+        # masters first written from a GPU's weights are zeroed now, in the builder's threads, so that the copy from
+        # the GPU finds its pages touched (1.1-1.3 GB/s into new host memory, 12 into memory touched before)
+        alloc = torch.zeros if self.conversion_device.type == "cuda" else torch.empty
         self.codec = (
-            Int8Codec(total, pieces, precision.masters24, lambda: self.conversion_device, from_gpu)
+            Int8Codec(total, pieces, precision.masters24, lambda: self.conversion_device, alloc)
             if precision.coded_moments
-            else Fp32Codec(total, pieces, from_gpu)
+            else Fp32Codec(total, pieces, alloc)
         )
         self.current = [0] * len(pieces)  # per piece: the set its state is in (1: speculation's scratch)
         self.pieces_of = by_param(pieces)

@@ -37,6 +37,8 @@ matches this bit for bit (tests/test_compact_kernel.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 BLOCK = 256  # csrc/adam_span.h kQ8Block
@@ -207,12 +209,9 @@ class Master24:
         self.hi, self.lo = hi, lo
 
     @classmethod
-    def empty(cls, n: int) -> Master24:
-        return cls(torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.uint8))
-
-    @classmethod
-    def zeros(cls, n: int) -> Master24:
-        return cls(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.uint8))
+    def empty(cls, n: int, alloc: Callable[..., torch.Tensor] = torch.empty) -> Master24:
+        """`n` masters to be written, made by `alloc` (``torch.zeros``: their pages touched now)."""
+        return cls(alloc(n, dtype=torch.bfloat16), alloc(n, dtype=torch.uint8))
 
     def __getitem__(self, index: slice) -> Master24:
         return Master24(self.hi[index], self.lo[index])
