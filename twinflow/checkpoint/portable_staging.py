@@ -6,15 +6,16 @@ The save copies every tensor it writes (the model's weights, the optimizer's sta
 training waits; the files are then written from that copy in the background. Into new host memory a copy from an
 H200 ran at 1.1-1.3 GB/s (each page is touched for the first time by the copy), and at 12.5 GB/s into memory that
 was copied to before; from host memory, 6-8 against 30 GB/s (``benchmarks/host_copy_probe.py``, BENCHMARKS.md).
-So each tensor's copy is kept, by its key, and the next asynchronous save copies into it again where the tensor is
-the same (shape, dtype, mesh and placements), as DCP's own stager caches its copies. What is kept is this rank's
-share of the checkpoint, in host memory, until it is released (``engine.wait_checkpoint(release_memory=True)``)
-or a save of other tensors replaces it.
+So a new copy is zero-filled first, on the checkpoint's file threads (:data:`.portable_sums.THREADS` torch
+threads: a rank that torchrun gave one thread fills on its share of the cores), before anything is copied into it;
+and each tensor's copy is kept, by its key, and the next asynchronous save copies into it again where the tensor
+is the same (shape, dtype, mesh and placements), as DCP's own stager caches its copies. What is kept is this
+rank's share of the checkpoint, in host memory, until it is released
+(``engine.wait_checkpoint(release_memory=True)``) or a save of other tensors replaces it.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from twinflow.base.distributed import is_dtensor, local
+from twinflow.base.node import torch_threads
+from twinflow.checkpoint.portable_sums import THREADS
 
 
 def _fits(kept: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -48,20 +51,19 @@ class HostCopies:
         self.kept = {k: v for k, v in self.kept.items() if k in keys}
         self.used, self.reused = {}, 0
 
-    def copy(self, key: str, like: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], Any],
-             first: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def copy(
+        self, key: str, like: torch.Tensor, dtype: torch.dtype, fill: Callable[[torch.Tensor], Any]
+    ) -> torch.Tensor:
         """The host tensor kept for `key`, its local elements given flat to fill(): the logical tensor DCP writes, a
-        DTensor over `like`'s mesh where `like` is one. Where none fits `like` and `dtype`, a new one: first() (a
-        copy made at once) if given, else one made and filled."""
+        DTensor over `like`'s mesh where `like` is one. Where none fits `like` and `dtype`, a new one, made, its
+        pages touched (zero-filled: see the module), then filled."""
         kept = self.kept.pop(key, None)  # one that does not fit is freed before its replacement is made
         if kept is not None and _fits(kept, like, dtype):
-            fill(local(kept).view(-1))
             self.reused += local(kept).nbytes
-        elif first is not None:
-            kept = first()
         else:
             kept = self.make(like, dtype)
-            fill(local(kept).view(-1))
+            local(kept).zero_()
+        fill(local(kept).view(-1))
         self.used[key] = kept
         return kept
 
@@ -72,7 +74,8 @@ class HostCopies:
         the originals while the copy is written."""
         self.begin(set(_paths(tree)))
         try:
-            return _staged(self, tree, "")
+            with torch_threads(THREADS):  # the new copies' fills (and the copies within host memory) run parallel
+                return _staged(self, tree, "")
         finally:
             self.end()
 
@@ -135,9 +138,8 @@ def _paths(tree: Any, at: str = "") -> Any:
 def _staged(copies: HostCopies, tree: Any, key: str) -> Any:
     if isinstance(tree, dict):
         return {k: _staged(copies, v, f"{key}.{k}" if key else k) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor):  # a new copy is made at once: one pass
+    if isinstance(tree, torch.Tensor):
         held = local(tree).detach()
-        first = functools.partial(tree.detach().to, "cpu", copy=True, memory_format=torch.contiguous_format)
-        return copies.copy(key, tree, tree.dtype, lambda out: out.view(held.shape).copy_(held), first)
+        return copies.copy(key, tree, tree.dtype, lambda out: out.view(held.shape).copy_(held))
     stage_into = getattr(tree, "stage_into", None)
     return stage_into(copies, key) if stage_into is not None else tree

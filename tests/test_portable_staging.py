@@ -1,0 +1,60 @@
+"""The host copies an asynchronous portable save writes from (:mod:`twinflow.checkpoint.portable_staging`): a new
+copy's pages are touched before anything is copied into it, on the file threads, and a kept copy is reused."""
+
+from __future__ import annotations
+
+import torch
+
+from twinflow.checkpoint import portable_staging
+
+
+def _poisoned(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a new host tensor may hold before it is written: here NaN everywhere."""
+    return torch.full(like.shape, float("nan"), dtype=dtype)
+
+
+def test_a_new_copy_is_zero_filled_before_it_is_filled() -> None:
+    copies = portable_staging.HostCopies(_poisoned)
+    like = torch.randn(1000)
+    copies.begin({"w"})
+    out = copies.copy("w", like, torch.float32, lambda flat: flat[:600].copy_(like[:600]))
+    copies.end()
+    assert out.data_ptr() != like.data_ptr()
+    assert torch.equal(out[:600], like[:600])
+    assert torch.equal(out[600:], torch.zeros(400))  # touched (zeroed) before the fill: no NaN of the new memory
+
+
+def test_the_fills_run_on_the_file_threads_and_a_kept_copy_is_reused(monkeypatch) -> None:
+    monkeypatch.setattr(portable_staging, "THREADS", 2)
+    seen: list[int] = []
+
+    class Read:  # a value that is read into the copy when it is saved (as the optimizer's deferred state is)
+        def __init__(self, source: torch.Tensor) -> None:
+            self.source = source
+
+        def stage_into(self, copies: portable_staging.HostCopies, key: str) -> torch.Tensor:
+            def fill(flat: torch.Tensor) -> None:
+                seen.append(torch.get_num_threads())
+                flat.copy_(self.source.view(-1))
+
+            return copies.copy(key, self.source, self.source.dtype, fill)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copies = portable_staging.HostCopies(_poisoned)
+        weight, moment = torch.randn(8, 16), torch.randn(300)
+        first = copies.stage({"model": {"w": weight}, "optim": {"m": Read(moment)}})
+        assert torch.get_num_threads() == 1  # put back after the staging
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2]
+    assert torch.equal(first["model"]["w"], weight) and torch.equal(first["optim"]["m"], moment)
+    assert copies.nbytes == weight.nbytes + moment.nbytes and copies.reused == 0
+    weight.add_(1.0)
+    moment.mul_(-2.0)
+    again = copies.stage({"model": {"w": weight}, "optim": {"m": Read(moment)}})
+    assert again["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # the same host memory
+    assert again["optim"]["m"].data_ptr() == first["optim"]["m"].data_ptr()
+    assert copies.reused == weight.nbytes + moment.nbytes
+    assert torch.equal(again["model"]["w"], weight) and torch.equal(again["optim"]["m"], moment)
