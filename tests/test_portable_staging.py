@@ -3,6 +3,7 @@ copy's pages are touched before anything is copied into it, on the file threads,
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from twinflow.checkpoint import portable_staging
@@ -58,3 +59,28 @@ def test_the_fills_run_on_the_file_threads_and_a_kept_copy_is_reused(monkeypatch
     assert again["optim"]["m"].data_ptr() == first["optim"]["m"].data_ptr()
     assert copies.reused == weight.nbytes + moment.nbytes
     assert torch.equal(again["model"]["w"], weight) and torch.equal(again["optim"]["m"], moment)
+
+
+def test_a_host_tensor_of_a_dtensor_is_made_without_reading_its_piece(tmp_path) -> None:
+    """The host copy of a DTensor is made like a placeholder over no memory, never by copying the piece (from a
+    GPU: densely, into new pages, 33 s of OPT-13B's first asynchronous save). A piece over no memory at all (meta)
+    shows it: reading it would raise."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from twinflow.checkpoint.portable import host_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        piece = torch.empty(6, 4, device="meta")
+        p = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=(6, 4), stride=(4, 1))
+        with pytest.raises(NotImplementedError):
+            piece.to("cpu")  # what a copy of the piece would do
+        out = host_tensor(p, torch.bfloat16)
+        assert isinstance(out, DTensor) and out.placements == p.placements and out.device_mesh is mesh
+        assert out.shape == p.shape and out.dtype == torch.bfloat16
+        assert out.to_local().device.type == "cpu" and out.to_local().shape == (6, 4)
+    finally:
+        dist.destroy_process_group()

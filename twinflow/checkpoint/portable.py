@@ -122,11 +122,11 @@ def planned_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def host_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An empty host tensor of `t`'s shape (and `dtype`, else t's): a DTensor with `t`'s placements where `t` is
-    one, its piece in host memory (DTensor.from_local would move a host piece to the mesh's GPU; the copy of a
-    placeholder over no memory to the host is made there)."""
+    one, its piece in host memory, made like a placeholder over no memory (DTensor.from_local would move a host piece
+    to the mesh's GPU; copying the placeholder to the host copied its piece densely from the GPU: 33 s of OPT-13B's)."""
     dtype = dtype or t.dtype
     if is_dtensor(t):
-        return planned_tensor(t, dtype).to("cpu", copy=True)
+        return torch.empty_like(planned_tensor(t, dtype), device="cpu")
     return torch.empty(t.shape, dtype=dtype)
 
 
