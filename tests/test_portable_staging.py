@@ -15,7 +15,7 @@ def _poisoned(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_a_new_copy_is_zero_filled_before_it_is_filled() -> None:
-    copies = portable_staging.HostCopies(_poisoned)
+    copies = portable_staging.HostCopies(_poisoned, 2)
     like = torch.randn(1000)
     copies.begin({"w"})
     out = copies.copy("w", like, torch.float32, lambda flat: flat[:600].copy_(like[:600]))
@@ -25,8 +25,7 @@ def test_a_new_copy_is_zero_filled_before_it_is_filled() -> None:
     assert torch.equal(out[600:], torch.zeros(400))  # touched (zeroed) before the fill: no NaN of the new memory
 
 
-def test_the_fills_run_on_the_file_threads_and_a_kept_copy_is_reused(monkeypatch) -> None:
-    monkeypatch.setattr(portable_staging, "THREADS", 2)
+def test_the_fills_run_on_the_file_threads_and_a_kept_copy_is_reused() -> None:
     seen: list[int] = []
 
     class Read:  # a value that is read into the copy when it is saved (as the optimizer's deferred state is)
@@ -43,7 +42,7 @@ def test_the_fills_run_on_the_file_threads_and_a_kept_copy_is_reused(monkeypatch
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        copies = portable_staging.HostCopies(_poisoned)
+        copies = portable_staging.HostCopies(_poisoned, 2)
         weight, moment = torch.randn(8, 16), torch.randn(300)
         first = copies.stage({"model": {"w": weight}, "optim": {"m": Read(moment)}})
         assert torch.get_num_threads() == 1  # put back after the staging

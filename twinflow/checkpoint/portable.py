@@ -56,7 +56,7 @@ from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
-from twinflow.checkpoint.portable_sums import write_sums
+from twinflow.checkpoint.portable_sums import THREADS, write_sums
 from twinflow.version import __version__
 
 try:
@@ -399,7 +399,7 @@ def wait_pending() -> Path | None:
     return last
 
 
-_copies = portable_staging.HostCopies(host_tensor)  # this process's asynchronous saves' copies (its _Deferred too)
+_copies = portable_staging.HostCopies(host_tensor, THREADS)  # this process's asynchronous saves' copies
 
 
 def kept_copy_bytes() -> int:

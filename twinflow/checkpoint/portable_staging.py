@@ -6,8 +6,9 @@ The save copies every tensor it writes (the model's weights, the optimizer's sta
 training waits; the files are then written from that copy in the background. Into new host memory a copy from an
 H200 ran at 1.1-1.3 GB/s (each page is touched for the first time by the copy), and at 12.5 GB/s into memory that
 was copied to before; from host memory, 6-8 against 30 GB/s (``benchmarks/host_copy_probe.py``, BENCHMARKS.md).
-So a new copy is zero-filled first, on the checkpoint's file threads (:data:`.portable_sums.THREADS` torch
-threads: a rank that torchrun gave one thread fills on its share of the cores), before anything is copied into it;
+So a new copy is zero-filled first, on the checkpoint's file threads (torch threads raised to the count
+:class:`HostCopies` is given: a rank that torchrun gave one thread fills on its share of the cores), before anything
+is copied into it;
 and each tensor's copy is kept, by its key, and the next asynchronous save copies into it again where the tensor
 is the same (shape, dtype, mesh and placements), as DCP's own stager caches its copies. What is kept is this
 rank's share of the checkpoint, in host memory, until it is released
@@ -24,7 +25,6 @@ import torch.distributed as dist
 
 from twinflow.base.distributed import is_dtensor, local
 from twinflow.base.node import torch_threads
-from twinflow.checkpoint.portable_sums import THREADS
 
 
 def _fits(kept: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -40,8 +40,9 @@ class HostCopies:
     """The host copies of one asynchronous save after another, by key (a process's saves go through one, and a
     save begins only once the one before it is written)."""
 
-    def __init__(self, make: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> None:
+    def __init__(self, make: Callable[[torch.Tensor, torch.dtype], torch.Tensor], threads: int) -> None:
         self.make = make  # make(like, dtype): a new tensor of `like`'s logical shape, its elements in host memory
+        self.threads = threads  # torch threads the copies are made and filled on
         self.kept: dict[str, torch.Tensor] = {}
         self.used: dict[str, torch.Tensor] = {}
         self.reused = 0  # bytes the last save copied into copies kept from the one before
@@ -74,7 +75,7 @@ class HostCopies:
         the originals while the copy is written."""
         self.begin(set(_paths(tree)))
         try:
-            with torch_threads(THREADS):  # the new copies' fills (and the copies within host memory) run parallel
+            with torch_threads(self.threads):  # the new copies' fills (and the copies within host memory) run parallel
                 return _staged(self, tree, "")
         finally:
             self.end()
