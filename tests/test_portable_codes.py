@@ -186,7 +186,8 @@ def test_codes_load_decoded_into_another_precision(tmp_path, precision: str) -> 
 
 def test_the_per_rank_readers_name_a_portable_checkpoint_and_the_way_forward(tmp_path, capsys) -> None:
     """The per-rank converter's functions used to call a portable checkpoint "incomplete (no meta.json): it was
-    never finished"; ``python -m twinflow.convert`` writes its weights (--safetensors) but no AdamW OUT.pt."""
+    never finished"; ``python -m twinflow.convert`` takes it to its own converters (the whole model's OUT.pt: one
+    rank's, --rank, is refused)."""
     model, opt = _single(0)
     _train(model, opt, 1)
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
@@ -194,10 +195,12 @@ def test_the_per_rank_readers_name_a_portable_checkpoint_and_the_way_forward(tmp
         consolidate(tmp_path / "ckpt", "t", tmp_path / "hub")
     assert "never finished" not in str(refused.value)
     for tag in ("t", "latest"):
-        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt")]) == 1
+        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt"), "--rank", "0"]) == 1
         err = capsys.readouterr().err
-        assert "is a portable checkpoint" in err and "load_portable" in err and "--safetensors" in err, err
+        assert "is a portable checkpoint" in err and "--rank" in err, err
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "hub").exists()
+    assert convert_main([str(tmp_path / "ckpt"), "latest", str(tmp_path / "out.pt")]) == 0
+    assert set(torch.load(tmp_path / "out.pt", weights_only=True)["state"]) == set(opt.state_dict()["state"])
 
 
 def test_codes_beside_a_float32_master_where_a_master_is_not_kept_in_24_bits(tmp_path, monkeypatch) -> None:

@@ -13,7 +13,7 @@ import torch
 
 import twinflow
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import portable, portable_consolidate
+from twinflow.checkpoint import portable, portable_consolidate, portable_load
 from twinflow.checkpoint.convert_cli import main as convert_main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -48,9 +48,9 @@ def test_the_weights_are_the_24_bit_masters_whatever_the_batch(tmp_path, monkeyp
     expected = _masters(model, opt)
     assert any(not torch.equal(m.bfloat16().float(), m) for m in expected.values())  # masters finer than weights
     reads = []
-    load = portable_consolidate.dcp.load
-    monkeypatch.setattr(portable_consolidate.dcp, "load", lambda sd, **kw: reads.append(len(sd)) or load(sd, **kw))
-    monkeypatch.setattr(portable_consolidate, "CHUNK", 7000)
+    load = portable_load.dcp.load
+    monkeypatch.setattr(portable_load.dcp, "load", lambda sd, **kw: reads.append(len(sd)) or load(sd, **kw))
+    monkeypatch.setattr(portable_load, "CHUNK", 7000)
     assert convert_main([str(tmp_path / "ckpt"), "latest", "--safetensors", str(tmp_path / "hub"),
                          "--dtype", dtype]) == 0  # fmt: skip
     written = safetensors_torch.load_file(tmp_path / "hub" / "model.safetensors")

@@ -144,15 +144,10 @@ def storage_offsets(path: Path, obj: Any) -> list[tuple[torch.Tensor, int]]:
     return [(t, s.data_ptr() - base) for t, s in pairs]
 
 
-def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
-    """Writes the verified `shard`'s optimizer state, in torch.optim's layout, to `f` (the file at `path`): the
-    skeleton first, then each record decoded in place (module docstring)."""
-    state, placeholders = {}, {}
-    for i, (_, _, step) in enumerate(shard.params):
-        if step is not None:
-            state[i] = entry_skeleton(shard, i, torch.empty)  # address space only: never touched
-            placeholders.update({id(t): (i, key) for key, t in state[i].items() if key != "step"})
-    skeleton = {"state": state, "param_groups": shard.head["param_groups"]}
+def write_skeleton(f: IO[bytes], path: Path, skeleton: Any, placeholders: dict[int, Any]) -> dict[Any, int]:
+    """Writes `skeleton` to `f` (the file at `path`) without the bytes of its tensors in `placeholders` (by id: made
+    with torch.empty, never touched) and with every other tensor's bytes; returns the file offset of each
+    placeholder's bytes, by its value in `placeholders`."""
     with torch.serialization.skip_data():
         save_to_stream(skeleton, f)
     f.flush()
@@ -162,7 +157,19 @@ def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
             where[placeholders[id(t)]] = offset
         else:  # the step counts, and any tensor in the param groups: their bytes, whole
             pwrite_all(f.fileno(), torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy(), offset)
-    del skeleton, state
+    return where
+
+
+def write_state_dict(f: IO[bytes], path: Path, shard: CompactShard) -> None:
+    """Writes the verified `shard`'s optimizer state, in torch.optim's layout, to `f` (the file at `path`): the
+    skeleton first, then each record decoded in place (module docstring)."""
+    state, placeholders = {}, {}
+    for i, (_, _, step) in enumerate(shard.params):
+        if step is not None:
+            state[i] = entry_skeleton(shard, i, torch.empty)  # address space only: never touched
+            placeholders.update({id(t): (i, key) for key, t in state[i].items() if key != "step"})
+    where = write_skeleton(f, path, {"state": state, "param_groups": shard.head["param_groups"]}, placeholders)
+    del state
     for record, payload in shard.frames(("state",)):
         for key, at, values in decode_record(record, payload):
             pwrite_all(f.fileno(), values.contiguous().numpy(), where[(record[1], key)] + 4 * at)

@@ -1,33 +1,34 @@
 """The command line of ``python -m twinflow.convert`` (see :mod:`twinflow.checkpoint.convert` for OUT.pt,
-:mod:`twinflow.checkpoint.consolidate` for --safetensors, :mod:`twinflow.checkpoint.portable_consolidate` for a
-portable checkpoint's --safetensors): which converter a checkpoint goes to, by its format."""
+:mod:`twinflow.checkpoint.consolidate` for --safetensors, :mod:`twinflow.checkpoint.portable_adamw` and
+:mod:`twinflow.checkpoint.portable_consolidate` for a portable checkpoint's): which converter a checkpoint goes to,
+by its format."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from twinflow.checkpoint.checkpoint_files import CheckpointError, format_bytes
 from twinflow.checkpoint.consolidate import consolidate
 from twinflow.checkpoint.convert import convert
 from twinflow.checkpoint.portable import holds
+from twinflow.checkpoint.portable_adamw import convert_portable
 from twinflow.checkpoint.portable_consolidate import consolidate_portable
 from twinflow.checkpoint.safetensors_out import parse_size
 
 
-def _portable(args: argparse.Namespace) -> int:
-    """A portable checkpoint: its model's weights as safetensors; no AdamW state dict (its state is the whole
-    model's, for any number of ranks: load it with load_portable)."""
+def _convert(args: argparse.Namespace, state: Callable[..., Path], weights: Callable[..., list[Path]]) -> int:
+    """OUT.pt through ``state(directory, tag, out)`` and --safetensors DIR through ``weights(...)``, as asked."""
     if args.out is not None:
-        print(f"error: {args.directory} {args.tag} is a portable checkpoint: OUT.pt (one rank's optimizer state in "
-              "torch.optim's layout) is written from per-rank checkpoints only; load it with "
-              "engine.load_checkpoint or twinflow.checkpoint.load_portable on any number of processes, or pass "
-              "--safetensors DIR alone for the model's weights", file=sys.stderr)  # fmt: skip
-        return 1
-    written = consolidate_portable(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
-                                   args.hf_config, progress=True)  # fmt: skip
-    print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(sum(p.stat().st_size for p in written))})")
+        out = state(args.directory, args.tag, args.out)
+        print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
+    if args.safetensors is not None:
+        written = weights(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size, args.hf_config,
+                          progress=True)  # fmt: skip
+        size = sum(path.stat().st_size for path in written)
+        print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
     return 0
 
 
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tag", help="the checkpoint's tag, or 'latest'")
     parser.add_argument("out", nargs="?", help="the optimizer state file to write (read it with torch.load); "
                         "optional with --safetensors")  # fmt: skip
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose optimizer state to convert (default 0)")
+    parser.add_argument("--rank", type=int, default=None, help="a per-rank checkpoint: the rank whose optimizer "
+                        "state to convert (default 0); a portable checkpoint's is the whole model's")  # fmt: skip
     parser.add_argument("--safetensors", metavar="DIR", help="also write the model's weights to DIR: "
                         "model.safetensors, or several files and model.safetensors.index.json")  # fmt: skip
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -65,16 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--max-shard-size: {exc}")
     try:
-        if holds(Path(args.directory), None if args.tag == "latest" else args.tag):
-            return _portable(args)
-        if args.out is not None:
-            out = convert(args.directory, args.tag, args.out, args.rank)
-            print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
-        if args.safetensors is not None:
-            written = consolidate(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
-                                  args.hf_config, progress=True)  # fmt: skip
-            size = sum(path.stat().st_size for path in written)
-            print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
+        if not holds(Path(args.directory), None if args.tag == "latest" else args.tag):
+            return _convert(args, lambda *where: convert(*where, args.rank or 0), consolidate)
+        if args.rank is not None:
+            print(f"error: {args.directory} {args.tag} is a portable checkpoint: its OUT.pt is the whole model's "
+                  "optimizer state, whatever number of ranks saved it; --rank picks a rank's state of a per-rank "
+                  "checkpoint only: leave it out", file=sys.stderr)  # fmt: skip
+            return 1
+        return _convert(args, convert_portable, consolidate_portable)
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

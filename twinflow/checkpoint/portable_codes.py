@@ -220,6 +220,16 @@ def masters24_decoded(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return master
 
 
+def decoded_run(moment: str, codes: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
+    """A moment's float32 values (flat) from `codes`, its parameter's flat elements [first, first + codes.numel()),
+    and the whole parameter's block `scales`, a batch at a time (bounded scratch)."""
+    codes = codes.reshape(-1)
+    values = torch.empty(codes.numel(), dtype=torch.float32)
+    for a, b in compact.spans(codes.numel()):
+        values[a:b] = _DECODE[moment](codes[a:b], scales, torch.arange(first + a, first + b) // BLOCK)
+    return values
+
+
 def decoded(p: torch.Tensor, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`entry` (read: this process's elements of `p`) with each moment saved as codes and scales decoded to
     float32, a batch of elements at a time (its scratch bounded), in this process's layout of `p`."""

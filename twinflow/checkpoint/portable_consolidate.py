@@ -9,7 +9,8 @@ checkpoint saved with ``portable=True`` by any number of ranks:
 - **The weights are the optimizer's masters** where the checkpoint keeps them (``master``: float32;
   ``master.hi`` and ``master.lo``: a 24-bit master, decoded exactly), else the model's tensors.
 - **DCP merges the ranks**: each tensor is read as the logical tensor it was saved as, whatever the saving world's
-  pieces, a batch of rows of ``CHUNK`` elements at most (several small tensors in one batch), and written in place.
+  pieces, a batch of rows of :data:`.portable_load.CHUNK` elements at most (several small tensors in one batch),
+  and written in place.
   The host holds one batch (and its float32 conversion), whatever the size of the model. A checkpoint saved
   asynchronously before its save wrote a file a tensor (one file a rank) is read by DCP's own reader, which loads
   each saved piece it reads from whole: there the bound is the largest piece, read again for each batch of it.
@@ -30,7 +31,7 @@ import torch
 
 from twinflow.checkpoint.portable import MODEL, OPTIM
 from twinflow.checkpoint.portable_codes import HI, LO, masters24_decoded
-from twinflow.checkpoint.portable_load import Folder, MappedReader
+from twinflow.checkpoint.portable_load import Folder, Rows, read_rows, row_batches
 from twinflow.checkpoint.safetensors_out import (
     Out,
     checked_dtype,
@@ -39,45 +40,6 @@ from twinflow.checkpoint.safetensors_out import (
     put_values,
     write_safetensors,
 )
-
-try:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-except ImportError:  # pragma: no cover (torch >= 2.4 has them)
-    dcp = None
-    DefaultLoadPlanner = object
-
-CHUNK = 1 << 26  # elements read at a time (a tensor's rows; a row longer than this alone)
-
-
-class Rows:
-    """Rows [first, first + count) of a saved tensor of shape `shape`, as a DCP read target: ``data`` (a new host
-    tensor of those rows, in `dtype`) takes whatever saved pieces overlap them."""
-
-    def __init__(self, shape: list[int], first: int, count: int, dtype: torch.dtype) -> None:
-        self.shape, self.first = shape, first
-        self.data = torch.empty([count, *shape[1:]] if shape else [], dtype=dtype)
-
-    def size(self) -> torch.Size:
-        return torch.Size(self.shape)
-
-    def __create_chunk_list__(self) -> list[Any]:
-        offsets = [self.first] + [0] * (len(self.shape) - 1) if self.shape else []
-        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=self.data.shape)]
-
-
-class _RowsPlanner(DefaultLoadPlanner):
-    """DCP's load planner over :class:`Rows` targets, by their saved (flat) names, as they are: DCP's set-up
-    replaces what is not a tensor with None, a flattening would take names missing from the read for an older
-    layout's, and DCP looks a piece's target up only in tensors."""
-
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: Any) -> torch.Tensor:
-        return self.state_dict[index.fqn].data
 
 
 def _plan(metadata: Any, info: dict[str, Any], dtype: torch.dtype, tag: str) -> list[Out]:
@@ -101,24 +63,6 @@ def _plan(metadata: Any, info: dict[str, Any], dtype: torch.dtype, tag: str) -> 
     return outs
 
 
-def _pieces(outs: list[Out]) -> list[list[tuple[Out, int, int]]]:
-    """(out, first row, rows) pieces of at most ``CHUNK`` elements, in batches of about ``CHUNK`` elements."""
-    batches: list[list[tuple[Out, int, int]]] = [[]]
-    size = 0
-    for out in outs:
-        rows = out.shape[0] if out.shape else 1
-        per_row = max(1, math.prod(out.shape[1:])) if out.shape else 1
-        step = max(1, CHUNK // per_row)
-        for first in range(0, max(rows, 1), step):
-            count = min(step, rows - first) if out.shape else 1
-            if batches[-1] and size + count * per_row > CHUNK:
-                batches.append([])
-                size = 0
-            batches[-1].append((out, first, count))
-            size += count * per_row
-    return [batch for batch in batches if batch]
-
-
 def _targets(out: Out, first: int, count: int) -> dict[str, Rows]:
     kind, key = out.sources[0]
     if kind == "model":  # read straight into the output's dtype
@@ -136,11 +80,9 @@ def _values(out: Out, read: dict[str, Rows]) -> torch.Tensor:
 
 def _stream(folder: Path, metadata: Any, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
     """Reads each batch of pieces from the checkpoint (one DCP read a batch) and writes it in place."""
-    for batch in _pieces(outs):
+    for batch in row_batches(outs):
         targets = [_targets(out, first, count) for out, first, count in batch]
-        flat = {k: v for t in targets for k, v in t.items()}
-        dcp.load(flat, checkpoint_id=folder, storage_reader=MappedReader(folder, metadata), planner=_RowsPlanner(),
-                 no_dist=True)  # fmt: skip
+        read_rows(folder, metadata, {k: v for t in targets for k, v in t.items()})
         for (out, first, _), read in zip(batch, targets, strict=True):
             per_row = math.prod(out.shape[1:]) if out.shape else 1
             put_values(fds, out, first * per_row, _values(out, read), tick)

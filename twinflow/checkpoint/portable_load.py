@@ -53,15 +53,17 @@ from twinflow.checkpoint.portable_codes import OWNED, moment_of
 from twinflow.checkpoint.portable_sums import THREADS, check_files, read_sums
 
 try:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
 
     FileSystemReader = dcp.FileSystemReader
 except (ImportError, AttributeError):  # pragma: no cover (torch >= 2.4 has them)
-    LoadItemType = DefaultLoadPlanner = None
+    LoadItemType, DefaultLoadPlanner, dcp = None, object, None
     FileSystemReader = object
 
-CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB)
+CHUNK = 1 << 26  # float32 elements of state read at a time (256 MiB); a saved tensor's rows read at a time
 READ_THREADS = THREADS  # threads a load copies mapped files on: as many as sum the files
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, where it has any of OWNED
 
@@ -442,3 +444,57 @@ def _whole(found: _Checked, optimizer: Any) -> None:
             raise
 
     _agreed(load, "this rank's model and optimizer were loaded")
+
+
+class Rows:
+    """Rows [first, first + count) of a saved tensor of shape `shape`, as a DCP read target: ``data`` (a new host
+    tensor of those rows, in `dtype`) takes whatever saved pieces overlap them."""
+
+    def __init__(self, shape: list[int], first: int, count: int, dtype: torch.dtype) -> None:
+        self.shape, self.first = shape, first
+        self.data = torch.empty([count, *shape[1:]] if shape else [], dtype=dtype)
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        offsets = [self.first] + [0] * (len(self.shape) - 1) if self.shape else []
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=self.data.shape)]
+
+
+class RowsPlanner(DefaultLoadPlanner):
+    """DCP's load planner over :class:`Rows` targets, by their saved (flat) names, as they are: DCP's set-up
+    replaces what is not a tensor with None, a flattening would take names missing from the read for an older
+    layout's, and DCP looks a piece's target up only in tensors."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self.state_dict[index.fqn].data
+
+
+def row_batches(outs: list[Any]) -> list[list[tuple[Any, int, int]]]:
+    """(out, first row, rows) pieces of the tensors `outs` (each with its logical ``shape``) of at most ``CHUNK``
+    elements, in batches of about ``CHUNK`` elements (never two pieces of one tensor)."""
+    batches: list[list[tuple[Any, int, int]]] = [[]]
+    size = 0
+    for out in outs:
+        rows = out.shape[0] if out.shape else 1
+        per_row = max(1, math.prod(out.shape[1:])) if out.shape else 1
+        step = max(1, CHUNK // per_row)
+        for first in range(0, max(rows, 1), step):
+            count = min(step, rows - first) if out.shape else 1
+            if batches[-1] and size + count * per_row > CHUNK:
+                batches.append([])
+                size = 0
+            batches[-1].append((out, first, count))
+            size += count * per_row
+    return [batch for batch in batches if batch]
+
+
+def read_rows(folder: Path, metadata: Any, targets: dict[str, Rows]) -> None:
+    """Reads each of `targets` (by its saved, flat name) from the checkpoint in `folder` (one DCP read)."""
+    dcp.load(targets, checkpoint_id=folder, storage_reader=MappedReader(folder, metadata), planner=RowsPlanner(),
+             no_dist=True)  # fmt: skip
