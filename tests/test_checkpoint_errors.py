@@ -177,6 +177,19 @@ def test_a_damaged_twinflow_entry_is_refused_and_changes_nothing(tmp_path, monke
 # ------------------------------------------------------------- 7: size or hash mismatch
 
 
+def test_another_world_size_is_refused_with_the_way_to_move_it_and_changes_nothing(tmp_path) -> None:
+    """A per-rank checkpoint loads only on the world size that wrote it; the refusal says how to move it."""
+    saved(tmp_path, "t")
+    meta = tmp_path / "t" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))  # as if two ranks had saved it
+    model, opt, sched = build()
+    train(model, opt, sched, torch.Generator().manual_seed(9), 1)
+    before = snapshot(model, opt, sched)
+    with pytest.raises(CheckpointError, match=r"saved by 2 ranks; this run has 1.*portable=True"):
+        load_checkpoint(tmp_path, "t", model=model, optimizer=opt, scheduler=sched)
+    assert_unchanged(before, snapshot(model, opt, sched))
+
+
 def test_a_size_mismatch_says_both_sizes(tmp_path) -> None:
     model, opt, sched = saved(tmp_path, "t")
     shard = tmp_path / "t" / "rank0.pt"

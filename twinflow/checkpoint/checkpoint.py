@@ -396,7 +396,8 @@ def load_checkpoint(
     if info["world_size"] != world:
         raise CheckpointError(
             f"checkpoint {tag!r} was saved by {info['world_size']} ranks; this run has {world}: resume with "
-            f"the same number of processes"
+            f"the same number of processes (a per-rank checkpoint); to move it, load it there and save it again "
+            f"with portable=True (engine.save_checkpoint(dir, tag, portable=True)), which any number resumes"
         )
     path = directory / tag / f"rank{rank}.pt"
     expected = info["shards"].get(path.name)
