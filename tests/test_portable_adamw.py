@@ -69,7 +69,7 @@ def test_the_state_is_what_a_one_process_load_holds(tmp_path, monkeypatch, preci
     assert convert_main([str(tmp_path / "ckpt"), "latest", str(out)]) == 0
     written = torch.load(out, weights_only=True)
     _same_state(written, expected)
-    assert len(reads) >= 300 * 300 // 7000  # a batch of rows at a time
+    assert len(reads) >= 2 * (300 * 300 // 7000)  # each moment of the 300 x 300 weight, a batch of rows at a time
     other, other_opt = _single(1, precision, dtype)
     _train(other, other_opt, 1, seed=50)
     portable_load.load_portable(tmp_path / "ckpt", "t", model=other, optimizer=other_opt)
@@ -80,18 +80,22 @@ def test_the_state_is_what_a_one_process_load_holds(tmp_path, monkeypatch, preci
     assert not list(tmp_path.glob(".adamw.pt.tmp*"))
 
 
-def test_two_ranks_pieces_merge_into_the_state_a_load_on_one_holds(tmp_path) -> None:
-    """Saved by two gloo ranks under FSDP2 (every tensor in two pieces), `int8_m24`: OUT.pt is the state that one
-    process holds after loading the checkpoint."""
+@pytest.mark.parametrize("stage", [3, 0])
+def test_two_ranks_pieces_merge_into_the_state_a_load_on_one_holds(tmp_path, stage: int) -> None:
+    """Saved by two gloo ranks, `int8_m24`: OUT.pt is the state that one process holds after loading the checkpoint.
+    Stage 3 (FSDP2): every tensor in two pieces, merged (their second pieces start inside a block, so the moments are
+    saved decoded); stage 0 (DDP): whole parameters, the moments saved as codes and scales."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     out.mkdir()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", "2", "--stage", "3",
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", "2", "--stage", str(stage),
                                "--rendezvous", str(tmp_path / "rdv"), "--out", str(out), "--save", str(ckpt),
                                "--precision", "int8_m24"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]  # fmt: skip
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    keys = torch.load(ckpt / "moved" / portable.INFO, weights_only=True)["state_keys"]
+    assert any("exp_avg.codes" in k for k in keys.values()) == (stage == 0)
     portable_adamw.convert_portable(ckpt, "moved", tmp_path / "adamw.pt")
     written = torch.load(tmp_path / "adamw.pt", weights_only=True)
     sys.path.insert(0, str(WORKER.parent))
@@ -119,3 +123,27 @@ def test_a_rank_is_refused_and_a_damaged_piece_leaves_nothing(tmp_path, capsys) 
     with pytest.raises(CheckpointError, match=f"{piece.name} differs from what the save wrote"):
         portable_adamw.convert_portable(tmp_path / "ckpt", "t", tmp_path / "a.pt")
     assert not list(tmp_path.glob("*a.pt*"))
+
+
+def test_torch_adamw_state_with_a_parameter_of_no_elements_and_a_key_of_its_own(tmp_path) -> None:
+    """Another optimizer's state converts as it was (amsgrad's ``max_exp_avg_sq``, a parameter of no elements); a
+    key that twinflow.pt lists and DCP's index lacks is refused, naming it, and nothing is written."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    model.empty = torch.nn.Parameter(torch.zeros(0, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    for i in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        (model(x).square().mean() + torch.nn.functional.linear(x, model.empty).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.state[model.empty]["exp_avg"].numel() == 0
+    folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    assert convert_main([str(tmp_path / "ckpt"), "t", str(tmp_path / "adamw.pt")]) == 0
+    _same_state(torch.load(tmp_path / "adamw.pt", weights_only=True), opt.state_dict())
+    info = torch.load(folder / portable.INFO, weights_only=True)
+    info["state_keys"]["weight"] = [*info["state_keys"]["weight"], "lost"]
+    torch.save(info, folder / portable.INFO)
+    with pytest.raises(CheckpointError, match=r"lists 'lost' in the state of weight.*no optim\.weight\.lost"):
+        portable_adamw.convert_portable(tmp_path / "ckpt", "t", tmp_path / "b.pt")
+    assert not list(tmp_path.glob("*b.pt*"))

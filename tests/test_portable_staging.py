@@ -81,5 +81,6 @@ def test_a_host_tensor_of_a_dtensor_is_made_without_reading_its_piece(tmp_path) 
         assert isinstance(out, DTensor) and out.placements == p.placements and out.device_mesh is mesh
         assert out.shape == p.shape and out.dtype == torch.bfloat16
         assert out.to_local().device.type == "cpu" and out.to_local().shape == (6, 4)
+        assert out.to_local().is_contiguous() and out.to_local().stride() == (4, 1)  # a piece of its own, dense
     finally:
         dist.destroy_process_group()

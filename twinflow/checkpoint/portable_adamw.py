@@ -13,7 +13,7 @@ takes it (and ignores ``master``). A per-rank checkpoint's OUT.pt is one rank's 
 Memory and checks as :mod:`.convert` and :mod:`.portable_consolidate`: every file is checked against the save's
 checksums before anything is written; OUT.pt is written first without its tensors' bytes (address space only),
 then each tensor is read as the logical tensor it was saved as, whatever the saving world's pieces, a batch of rows
-of at most :data:`.portable_consolidate.CHUNK` elements at a time, decoded and written in place. OUT.pt is written
+of at most :data:`.portable_load.CHUNK` elements at a time, decoded and written in place. OUT.pt is written
 under a temporary name beside it, flushed and renamed into place once complete.
 """
 
@@ -26,9 +26,9 @@ from typing import IO, Any
 
 import torch
 
-from twinflow.checkpoint.checkpoint_files import rename_into_place, temp_path, write_temp
+from twinflow.checkpoint.checkpoint_files import CheckpointError, rename_into_place, temp_path, write_temp
 from twinflow.checkpoint.convert import write_skeleton
-from twinflow.checkpoint.portable import OPTIM
+from twinflow.checkpoint.portable import INFO, OPTIM
 from twinflow.checkpoint.portable_codes import (
     CODES,
     HI,
@@ -41,7 +41,7 @@ from twinflow.checkpoint.portable_codes import (
     masters24_decoded,
     moment_of,
 )
-from twinflow.checkpoint.portable_load import Folder, Rows, read_rows, row_batches
+from twinflow.checkpoint.portable_load import Folder, Rows, RowsPlanner, row_batches
 from twinflow.checkpoint.safetensors_out import pwrite_all
 from twinflow.precision import compact
 
@@ -59,26 +59,31 @@ class _Out:
     dtype: torch.dtype
 
 
-def _saved(metadata: Any, name: str, key: str) -> Any:
-    return metadata.state_dict_metadata[f"{OPTIM}.{name}.{key}"]
-
-
-def _outs_of(metadata: Any, index: int, name: str, keys: set[str]) -> list[_Out]:
+def _outs_of(at: Folder, index: int, name: str, keys: set[str]) -> list[_Out]:
     """Parameter `index`'s tensors in OUT.pt, in torch.optim's order, from its saved `keys`."""
+
+    def saved(key: str) -> Any:  # the saved tensor's metadata
+        found = at.metadata.state_dict_metadata.get(f"{OPTIM}.{name}.{key}")
+        if found is None:
+            raise CheckpointError(f"checkpoint {at.tag!r} in {at.folder}: its {INFO} lists {key!r} in the state of "
+                                  f"{name}, and DCP's .metadata has no {OPTIM}.{name}.{key}: the folder is damaged "
+                                  "or mixed; save it again")  # fmt: skip
+        return found
+
     outs = []
     for moment in MOMENTS:
         if moment in keys:
-            outs.append(_Out(index, name, moment, list(_saved(metadata, name, moment).size), "plain", torch.float32))
+            outs.append(_Out(index, name, moment, list(saved(moment).size), "plain", torch.float32))
         elif key_of(moment, CODES) in keys:
-            shape = list(_saved(metadata, name, key_of(moment, CODES)).size)
+            shape = list(saved(key_of(moment, CODES)).size)
             outs.append(_Out(index, name, moment, shape, "codes", torch.float32))
     if "master" in keys:
-        outs.append(_Out(index, name, "master", list(_saved(metadata, name, "master").size), "plain", torch.float32))
+        outs.append(_Out(index, name, "master", list(saved("master").size), "plain", torch.float32))
     elif HI in keys:
-        outs.append(_Out(index, name, "master", list(_saved(metadata, name, HI).size), "m24", torch.float32))
+        outs.append(_Out(index, name, "master", list(saved(HI).size), "m24", torch.float32))
     for key in sorted(k for k in keys if k != "step" and moment_of(k) not in OWNED):  # the user's own
-        saved = _saved(metadata, name, key)
-        outs.append(_Out(index, name, key, list(saved.size), "plain", saved.properties.dtype))
+        meta = saved(key)
+        outs.append(_Out(index, name, key, list(meta.size), "plain", meta.properties.dtype))
     return outs
 
 
@@ -95,12 +100,12 @@ def _plan(at: Folder) -> tuple[dict[str, Any], list[_Out]]:
                 if "step" in keys:
                     steps[f"{OPTIM}.{name}.step"] = Rows([], 0, 1, torch.float32)
                     state[index]["step"] = steps[f"{OPTIM}.{name}.step"].data  # filled by the read below
-                outs += _outs_of(at.metadata, index, name, keys)
+                outs += _outs_of(at, index, name, keys)
             numbered.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbered})
     if steps:
-        read_rows(at.folder, at.metadata, steps)
+        at.read(steps, planner=RowsPlanner())
     return {"state": state, "param_groups": groups}, outs
 
 
@@ -135,9 +140,9 @@ def _write(f: IO[bytes], path: Path, at: Folder) -> None:
         placeholders[id(made)] = (out.index, out.key)
     where = write_skeleton(f, path, skeleton, placeholders)
     del skeleton
-    for batch in row_batches(outs):
+    for batch in row_batches([out for out in outs if math.prod(out.shape)]):  # one of no elements: nothing to write
         targets = [_targets(out, first, count) for out, first, count in batch]
-        read_rows(at.folder, at.metadata, {k: v for t in targets for k, v in t.items()})
+        at.read({k: v for t in targets for k, v in t.items()}, planner=RowsPlanner())
         for (out, first, _), read in zip(batch, targets, strict=True):
             start = first * (math.prod(out.shape[1:]) if out.shape else 1)
             values = _values(out, read, start)

@@ -31,7 +31,7 @@ import torch
 
 from twinflow.checkpoint.portable import MODEL, OPTIM
 from twinflow.checkpoint.portable_codes import HI, LO, masters24_decoded
-from twinflow.checkpoint.portable_load import Folder, Rows, read_rows, row_batches
+from twinflow.checkpoint.portable_load import Folder, Rows, RowsPlanner, row_batches
 from twinflow.checkpoint.safetensors_out import (
     Out,
     checked_dtype,
@@ -78,11 +78,11 @@ def _values(out: Out, read: dict[str, Rows]) -> torch.Tensor:
     return parts[0] if out.sources[0][0] != "m24" else masters24_decoded(*parts)
 
 
-def _stream(folder: Path, metadata: Any, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
+def _stream(at: Folder, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
     """Reads each batch of pieces from the checkpoint (one DCP read a batch) and writes it in place."""
     for batch in row_batches(outs):
         targets = [_targets(out, first, count) for out, first, count in batch]
-        read_rows(folder, metadata, {k: v for t in targets for k, v in t.items()})
+        at.read({k: v for t in targets for k, v in t.items()}, planner=RowsPlanner())
         for (out, first, _), read in zip(batch, targets, strict=True):
             per_row = math.prod(out.shape[1:]) if out.shape else 1
             put_values(fds, out, first * per_row, _values(out, read), tick)
@@ -97,10 +97,9 @@ def consolidate_portable(directory: str | Path, tag: str | None, out_dir: str | 
     max_bytes = parse_size(max_shard_size)
     at = Folder(Path(directory), None if tag == "latest" else tag)
     at.check_pieces(at.metadata.storage_data.values())  # every file, before anything is written
-    tag, folder, metadata = at.tag, at.folder, at.metadata
-    outs = _plan(metadata, at.info, dtype, tag)
+    outs = _plan(at.metadata, at.info, dtype, at.tag)
 
     def fill(fds: list[int], tick: Callable[[int], None]) -> None:
-        _stream(folder, metadata, outs, fds, tick)
+        _stream(at, outs, fds, tick)
 
-    return write_safetensors(Path(out_dir), outs, max_bytes, fill, tag, dtype, hf_config, progress)
+    return write_safetensors(Path(out_dir), outs, max_bytes, fill, at.tag, dtype, hf_config, progress)

@@ -179,11 +179,12 @@ class Folder:
         sums = read_sums(self.folder, self.info["world_size"]) if self.info.get("sums") else None
         check_files(self.folder, needed, sums)
 
-    def read(self, target: dict[str, Any], changed: bool = False) -> None:
-        """Reads this rank's pieces of `target` (each rank on its own: the plan needs no other rank)."""
+    def read(self, target: dict[str, Any], changed: bool = False, planner: Any = None) -> None:
+        """Reads this rank's pieces of `target` (each rank on its own: the plan needs no other rank), planned by
+        `planner` (None: DCP's default; :class:`RowsPlanner` for :class:`Rows` targets)."""
         try:
             dcp.load(target, checkpoint_id=self.folder, storage_reader=MappedReader(self.folder, self.metadata),
-                     no_dist=True)  # fmt: skip
+                     planner=planner, no_dist=True)  # fmt: skip
         except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException)
             raise self.refused(exc, changed) from exc
 
@@ -477,7 +478,7 @@ class RowsPlanner(DefaultLoadPlanner):
 
 def row_batches(outs: list[Any]) -> list[list[tuple[Any, int, int]]]:
     """(out, first row, rows) pieces of the tensors `outs` (each with its logical ``shape``) of at most ``CHUNK``
-    elements, in batches of about ``CHUNK`` elements (never two pieces of one tensor)."""
+    elements (a longer row: alone), in batches of about ``CHUNK`` elements (never two pieces of one tensor)."""
     batches: list[list[tuple[Any, int, int]]] = [[]]
     size = 0
     for out in outs:
@@ -492,9 +493,3 @@ def row_batches(outs: list[Any]) -> list[list[tuple[Any, int, int]]]:
             batches[-1].append((out, first, count))
             size += count * per_row
     return [batch for batch in batches if batch]
-
-
-def read_rows(folder: Path, metadata: Any, targets: dict[str, Rows]) -> None:
-    """Reads each of `targets` (by its saved, flat name) from the checkpoint in `folder` (one DCP read)."""
-    dcp.load(targets, checkpoint_id=folder, storage_reader=MappedReader(folder, metadata), planner=RowsPlanner(),
-             no_dist=True)  # fmt: skip

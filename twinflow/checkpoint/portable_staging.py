@@ -6,9 +6,9 @@ The save copies every tensor it writes (the model's weights, the optimizer's sta
 training waits; the files are then written from that copy in the background. Into new host memory a copy from an
 H200 ran at 1.1-1.3 GB/s (each page is touched for the first time by the copy), and at 12.5 GB/s into memory that
 was copied to before; from host memory, 6-8 against 30 GB/s (``benchmarks/host_copy_probe.py``, BENCHMARKS.md).
-So a new copy is zero-filled first, on the checkpoint's file threads (torch threads raised to the count
-:class:`HostCopies` is given: a rank that torchrun gave one thread fills on its share of the cores), before anything
-is copied into it;
+So a new copy is zero-filled first, on torch's intra-op threads raised to the count :class:`HostCopies` is given
+(portable's: the checkpoint's file-thread count, at most eight; a rank that torchrun gave one thread fills on
+several), before anything is copied into it;
 and each tensor's copy is kept, by its key, and the next asynchronous save copies into it again where the tensor
 is the same (shape, dtype, mesh and placements), as DCP's own stager caches its copies. What is kept is this
 rank's share of the checkpoint, in host memory, until it is released
