@@ -220,14 +220,19 @@ def masters24_decoded(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return master
 
 
-def decoded_run(moment: str, codes: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
-    """A moment's float32 values (flat) from `codes`, its parameter's flat elements [first, first + codes.numel()),
-    and the whole parameter's block `scales`, a batch at a time (bounded scratch)."""
+def _decoded(moment: str, codes: torch.Tensor, scales: torch.Tensor, index_of: Any) -> torch.Tensor:
+    """A moment's float32 values (flat) from `codes` and the whole parameter's block `scales`, a batch at a time
+    (bounded scratch); ``index_of(a, b)``: the parameter's flat indices of codes [a, b)."""
     codes = codes.reshape(-1)
     values = torch.empty(codes.numel(), dtype=torch.float32)
     for a, b in compact.spans(codes.numel()):
-        values[a:b] = _DECODE[moment](codes[a:b], scales, torch.arange(first + a, first + b) // BLOCK)
+        values[a:b] = _DECODE[moment](codes[a:b], scales, index_of(a, b) // BLOCK)
     return values
+
+
+def decoded_run(moment: str, codes: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
+    """:func:`_decoded` of `codes`, the parameter's flat elements [first, first + codes.numel())."""
+    return _decoded(moment, codes, scales, lambda a, b: torch.arange(first + a, first + b))
 
 
 def decoded(p: torch.Tensor, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -237,15 +242,11 @@ def decoded(p: torch.Tensor, entry: dict[str, torch.Tensor]) -> dict[str, torch.
     out = {k: v for k, v in entry.items() if k not in coded}
     if HI in entry:
         out["master"] = masters24_decoded(local(entry[HI]), local(entry[LO])).reshape(local(p).shape)
-    for moment, decode in _DECODE.items():
-        if key_of(moment, CODES) not in entry:
-            continue
-        codes = local(entry[key_of(moment, CODES)]).reshape(-1)
-        scales = entry[key_of(moment, SCALES)]
-        values = torch.empty(codes.numel(), dtype=torch.float32)
-        for a, b in compact.spans(codes.numel()):
-            values[a:b] = decode(codes[a:b], scales, _logical_index(p, a, b) // BLOCK)
-        out[moment] = values.reshape(local(p).shape)
+    for moment in _DECODE:
+        if key_of(moment, CODES) in entry:
+            codes, scales = local(entry[key_of(moment, CODES)]), entry[key_of(moment, SCALES)]
+            values = _decoded(moment, codes, scales, lambda a, b: _logical_index(p, a, b))
+            out[moment] = values.reshape(local(p).shape)
     return out
 
 
