@@ -206,6 +206,43 @@ def test_state_dict_opt_state_and_checkpoints_are_read_while_offloaded(
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_portable_checkpoint_is_saved_while_offloaded_weights_too_without_moving_anything_back(
+    tmp_path, precision: str, ratio: float, asynchronous: bool, device: str
+) -> None:
+    from twinflow.checkpoint import portable
+    from twinflow.checkpoint.portable_load import load_portable
+
+    if asynchronous and not portable.ASYNC_SAVE:
+        pytest.skip("an asynchronous portable save needs torch >= 2.9")
+    model, opt = trained(ratio, precision, device=device)
+    want = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert opt.offload_states(weights=True) > 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # the weights have no memory now
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0
+    saved = portable.save_portable(tmp_path, "away", model=model, optimizer=opt, asynchronous=asynchronous)
+    if asynchronous:
+        saved = saved.wait()
+    assert opt.offload.offloaded
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    if device == "cuda":  # nothing came back to the GPU for the save (a placeholder's element at most)
+        assert torch.cuda.memory_allocated() <= held + (1 << 20)
+    opt.reload_states()
+    assert all(a.equal(b) for a, b in zip(model.parameters(), weights))  # the save wrote nothing into them
+    fresh = make(seed=7).to(device)
+    fresh_opt = TwinFlowAdam(fresh.parameters(), lr=1e-2, ratio=ratio, state_precision=precision)
+    for p in fresh.parameters():  # poisoned: only the load can make them right
+        p.data.fill_(float("nan"))
+    load_portable(tmp_path, "away", model=fresh, optimizer=fresh_opt)
+    assert all(a.equal(b) for a, b in zip(fresh.parameters(), weights))
+    loaded = fresh_opt.state_dict()["state"]
+    assert all(loaded[i][k].cpu().equal(v.cpu()) for i, e in want["state"].items() for k, v in e.items())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
 def test_an_in_place_write_to_opt_state_while_offloaded_lands_and_assignments_wait(tmp_path, precision) -> None:
     from twinflow.checkpoint import load_checkpoint, save_checkpoint
 
@@ -301,6 +338,7 @@ def _ranks_worker(rank: int, port: int, how: str, out: str) -> None:
     import os
 
     from tests.test_ddp_attach import batches, make_model, wrap
+    from twinflow.checkpoint import save_portable
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -321,9 +359,13 @@ def _ranks_worker(rank: int, port: int, how: str, out: str) -> None:
                 if cycle and k in (2, 4):
                     moved.append(opt.offload_states(weights=True))  # FSDP2: this rank's shards
                     opt.state_dict()  # read while offloaded
+                    if k == 4:  # read where it is, the weights too (FSDP2: DTensors over the host buffer)
+                        save_portable(os.path.join(out, "ckpt"), "away", model=model, optimizer=opt)
                     opt.reload_states()
                 elif k in (2, 4):
                     opt.synchronize()
+                    if k == 4:
+                        save_portable(os.path.join(out, "ckpt"), "here", model=model, optimizer=opt)
             opt.synchronize()
             whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
             state = [t for e in opt.state_dict()["state"].values() for t in (e["exp_avg"], e["exp_avg_sq"])]
@@ -339,7 +381,8 @@ def _ranks_worker(rank: int, port: int, how: str, out: str) -> None:
 def test_each_ranks_share_cycles_bit_for_bit_under_ddp_and_fsdp2(tmp_path, how: str) -> None:
     import torch.multiprocessing as mp
 
-    from tests.test_ddp_attach import free_port
+    from tests.test_ddp_attach import free_port, make_model
+    from twinflow.checkpoint.portable_load import load_portable
 
     mp.spawn(_ranks_worker, args=(free_port(), how, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
@@ -348,6 +391,14 @@ def test_each_ranks_share_cycles_bit_for_bit_under_ddp_and_fsdp2(tmp_path, how: 
         differ = [k for k, (a, b) in enumerate(zip(straight[:-1], cycled[:-1], strict=True)) if not a.equal(b)]
         assert not differ, (how, rank, differ)
         assert (cycled[-1] > 0).all() and len(cycled[-1]) == 3
+    loaded = []  # the portable saves, one while offloaded, read back by one process: the same state
+    for tag in ("here", "away"):
+        model = make_model(seed=3)
+        opt = TwinFlowAdam(model.parameters(), lr=3e-3, ratio=0.5)
+        load_portable(tmp_path / "ckpt", tag, model=model, optimizer=opt)
+        loaded.append([p.detach().clone() for p in model.parameters()] + [
+            t for e in opt.state_dict()["state"].values() for t in (e["exp_avg"], e["exp_avg_sq"])])  # fmt: skip
+    assert len(loaded[0]) == 18 and all(a.equal(b) for a, b in zip(*loaded, strict=True))
 
 
 def test_the_weights_stay_while_a_step_is_under_way() -> None:

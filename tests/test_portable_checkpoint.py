@@ -18,7 +18,7 @@ import torch
 
 from twinflow import TwinFlowAdam
 from twinflow.base import progress
-from twinflow.checkpoint import CheckpointError, portable, portable_load, portable_sums
+from twinflow.checkpoint import CheckpointError, portable, portable_load, portable_state, portable_sums
 from twinflow.precision import compact
 
 WORKER = Path(__file__).with_name("portable_worker.py")
@@ -307,7 +307,7 @@ def test_a_save_and_a_loads_checks_count_every_byte_they_write_and_read(tmp_path
         meters.append(_Meter(total, what, first_rank))
         return meters[-1]
 
-    monkeypatch.setattr(portable, "shown", recorded)
+    monkeypatch.setattr(portable_state, "shown", recorded)
     monkeypatch.setattr(portable_sums, "shown", recorded)
     folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     metadata = portable.dcp.FileSystemReader(folder).read_metadata()

@@ -68,7 +68,7 @@ def test_a_host_tensor_of_a_dtensor_is_made_without_reading_its_piece(tmp_path) 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from twinflow.checkpoint.portable import host_tensor
+    from twinflow.checkpoint.portable_state import host_tensor
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

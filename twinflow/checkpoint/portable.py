@@ -28,9 +28,11 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
   previous tags loadable, and the next save removes what it left.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
-  each to a file of its own (:class:`_Deferred`): the peak follows the largest tensor, not the model. An
+  each to a file of its own (:mod:`.portable_state`): the peak follows the largest tensor, not the model. An
   asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
   keeps it for the next (:mod:`.portable_staging`: this rank's share of the checkpoint, until released).
+- **While offloaded.** After ``offload_states()`` (reinforcement learning's phases) the state, and the weights
+  it moved, are read in host memory where it put them; nothing comes back to the GPU for the save.
 - **Checksums.** Each rank sums its share of the written files (:mod:`.portable_sums`) before the tag is put in
   place; the load (:mod:`.portable_load`) checks everything it will read before it changes anything, and then
   reads the state a batch at a time.
@@ -39,9 +41,7 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import inspect
-import math
 import shutil
 import time
 from pathlib import Path
@@ -50,29 +50,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinflow.base.distributed import is_dtensor, local, rank_and_world
+from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
-from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
-from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
+from twinflow.checkpoint.portable_state import (
+    MODEL,
+    OPTIM,
+    ReadWhenWritten,
+    deferred,
+    gathered,
+    groups,
+    host_tensor,
+    model_tensors,
+    names_of,
+    optimizer_tensors,
+    tied,
+    with_each,
+)
 from twinflow.checkpoint.portable_sums import THREADS, write_sums
 from twinflow.version import __version__
 
 try:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover (torch >= 2.4 has them)
-    dcp = DTensor = None
-    DefaultSavePlanner = object
+except ImportError:  # pragma: no cover (torch >= 2.4 has it)
+    dcp = None
 
 # dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
 # the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
-MODEL, OPTIM = "model", "optim"
 
 
 def is_portable(folder: Path) -> bool:
@@ -90,241 +98,6 @@ def holds(directory: Path, tag: str | None) -> bool:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def names_of(model: torch.nn.Module) -> dict[int, str]:
-    """Each parameter's name in the model, by the parameter's identity."""
-    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _logical(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Parameter `p`'s state tensor `value` (its local elements, on the host) as the logical tensor DCP saves: of
-    `p`'s shape, a DTensor over `p`'s mesh where `p` is one (a 0-dimensional `value`, the step, stays itself)."""
-    if value.dim() == 0 and p.dim() != 0:
-        return value
-    if is_dtensor(p):
-        piece = value.reshape(local(p).shape)
-        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())  # fmt: skip
-    return value.reshape(p.shape)
-
-
-def _host_state_tensor(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """A state tensor of `p` as saved: host memory, float32 (a step count as it is), logical (:func:`_logical`)."""
-    return _logical(p, v.detach().to("cpu", torch.float32) if v.dim() else v.detach().cpu())
-
-
-def planned_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A logical tensor of `p`'s shape in `dtype` over no memory (one element, expanded), made where `p` is: a DTensor
-    over a GPU mesh moves a host piece to its GPU, densely."""
-    return _logical(p, torch.empty((), dtype=dtype, device=local(p).device).expand(local(p).shape))
-
-
-def host_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty host tensor of `t`'s shape (and `dtype`, else t's): a DTensor with `t`'s placements where `t` is
-    one, its piece in host memory, made like a placeholder over no memory (DTensor.from_local would move a host piece
-    to the mesh's GPU; copying the placeholder to the host copied its piece densely from the GPU: 33 s of OPT-13B's)."""
-    dtype = dtype or t.dtype
-    if is_dtensor(t):
-        return torch.empty_like(planned_tensor(t, dtype), device="cpu")
-    return torch.empty(t.shape, dtype=dtype)
-
-
-def gathered(mine: dict[str, Any]) -> dict[str, Any]:
-    """The union over the ranks of each rank's `mine` (name -> value)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return dict(mine)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {k: v for rank_items in every for k, v in rank_items.items()}
-
-
-def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """The optimizer's state by parameter name, as logical tensors (:func:`_logical`): where the optimizer keeps
-    its state behind a state owner (TwinFlowAdam), a :class:`_Deferred` for each moment and master, read when DCP
-    writes it; another optimizer's ``state_dict()`` as it is."""
-    owner = getattr(optimizer, "state_owner", None)
-    if owner is not None and owner.built:
-        return _owner_tensors(model, optimizer, owner)
-    names, out = names_of(model), {}
-    state = optimizer.state_dict()["state"]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, entry in state.items():
-        p = params[index]
-        out[names[id(p)]] = {key: _host_state_tensor(p, v)
-                             for key, v in entry.items() if isinstance(v, torch.Tensor)}  # fmt: skip
-    return out
-
-
-class _Deferred:
-    """A parameter's moment, master or codes (`dtype`), read (`read(out=None)`: this process's elements, flat, in
-    new host memory or into `out`) only when DCP writes it, never through ``opt.state`` (state_dict()'s decoded
-    copies of compact state stayed there after the save, 12 bytes a parameter). With a file a tensor (DCP's writer
-    keeps a file's tensors until the file ends), a save holds one such tensor at a time. Stands in the state dict
-    as `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP plans."""
-
-    def __init__(self, p: torch.Tensor, dtype: torch.dtype, read: Any) -> None:
-        self.p, self.read = p, read
-        self.placeholder = planned_tensor(p, dtype)
-
-    def local(self) -> torch.Tensor:
-        """The elements this process holds, in the shape it holds them (what DCP writes of the logical tensor)."""
-        return self.read().view(local(self.p).shape)
-
-    def stage_into(self, copies: portable_staging.HostCopies, key: str) -> torch.Tensor:
-        """The logical tensor, its piece read into the host copy `copies` keeps for `key` (an asynchronous save's)."""
-        return copies.copy(key, self.p, self.placeholder.dtype, lambda out: self.read(out=out))
-
-
-class _DeferredScales:
-    """A moment's block scales (:class:`.portable_codes.BlockScales`), read when DCP writes them."""
-
-    def __init__(self, p: torch.Tensor, read: Any) -> None:
-        self.p, self.read = p, read
-        self.placeholder = portable_codes.scales_piece(p)
-
-    def local(self) -> torch.Tensor:
-        return self.read()
-
-    def stage_into(self, copies: portable_staging.HostCopies, key: str) -> portable_codes.BlockScales:
-        return portable_codes.scales_piece(self.p, self.read())  # 1/256 of the moment's bytes: a new copy
-
-
-def _owner_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, owner: Any) -> dict[str, dict[str, Any]]:
-    """A TwinFlowAdam's state by parameter name: the steps as tensors, the moments and masters read when written
-    (:class:`_Deferred`, without decoding it all first): compact moments as their codes and scales where every
-    rank's elements of the parameter start on a block (:mod:`.portable_codes`), else decoded."""
-    owner.check_settled()  # no step half done
-    owner.settle_state()
-    owner.absorb_edits()  # in-place writes to the copies opt.state handed out
-    names, out = names_of(model), {}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    held = [i for i in range(len(params)) if owner.holds(i)]
-    coded = owner.precision.coded_moments
-    # what keeps a parameter's state from being saved as kept, on any rank (every rank must save the same keys)
-    unlike = set(gathered({(names[id(params[i])], why): False for i in held if coded
-                           for why in _not_as_kept(params[i], owner.raw(i))}))  # fmt: skip
-    unaligned, no24 = ({name for name, why in unlike if why == reason} for reason in ("blocks", "m24"))
-    # keys of the user's own beside a parameter's state (opt.state's extras, read without syncing it) are saved too
-    extras, _ = optimizer.state_extras()
-    for i in held:
-        p, name = params[i], names[id(params[i])]
-        own = {k: _host_state_tensor(p, v)
-               for k, v in extras.get(i, {}).items() if isinstance(v, torch.Tensor)}  # fmt: skip
-        entry = {**own, "step": torch.tensor(float(owner.steps[i]))}
-        as_kept = coded and name not in unaligned
-        if as_kept:
-            entry.update(_codes(p, owner, i))
-        else:
-            decoded = {m: functools.partial(_read_decoded, owner, i, m) for m in MOMENTS}
-            entry.update({m: _Deferred(p, torch.float32, read) for m, read in decoded.items()})
-        if owner.locals[i].dtype == torch.float32:
-            pass  # the weight is its own master
-        elif as_kept and name not in no24:
-            for key, dtype in ((HI, torch.bfloat16), (LO, torch.uint8)):
-                entry[key] = _Deferred(p, dtype, functools.partial(_read_masters24, owner, i, key))
-        else:
-            entry["master"] = _Deferred(p, torch.float32, functools.partial(_read_decoded, owner, i, "master"))
-        out[name] = entry
-    return out
-
-
-def _not_as_kept(p: torch.Tensor, parts: list[Any]) -> list[str]:
-    """Why this rank cannot save parameter `p`'s state (kept in `parts`) as kept: "blocks" (its elements do not start
-    on blocks: moments decoded), "m24" (its masters are not all 24-bit: saved as float32)."""
-    return [why for why, ok in (("blocks", portable_codes.keeps_blocks(p, parts)),
-                                ("m24", portable_codes.keeps_masters24(parts))) if not ok]  # fmt: skip
-
-
-def _read_decoded(owner: Any, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return owner.read(i, key, out)
-
-
-def _read_codes(owner: Any, i: int, moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return portable_codes.codes_of(owner.raw(i), moment, what, out)
-
-
-def _read_masters24(owner: Any, i: int, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return portable_codes.masters24_of(owner.raw(i), what, out)
-
-
-def _codes(p: torch.Tensor, owner: Any, i: int) -> dict[str, Any]:
-    """Parameter i's moments as their codes and block scales, read from the owner's parts when written."""
-    out: dict[str, Any] = {}
-    for moment, dtype in MOMENTS.items():
-        read = functools.partial(_read_codes, owner, i, moment)
-        out[portable_codes.key_of(moment, CODES)] = _Deferred(p, dtype, functools.partial(read, CODES))
-        out[portable_codes.key_of(moment, SCALES)] = _DeferredScales(p, functools.partial(read, SCALES))
-    return out
-
-
-def _deferred(state: dict[str, dict[str, Any]]) -> dict[str, _Deferred | _DeferredScales]:
-    """The :class:`_Deferred` of `state` by the key DCP gives it (its path joined by dots, as DCP flattens a nested
-    state dict; :class:`_ReadWhenWritten` checks every one is planned)."""
-    return {f"{OPTIM}.{name}.{key}": value for name, entry in state[OPTIM].items() for key, value in entry.items()
-            if isinstance(value, _Deferred | _DeferredScales)}  # fmt: skip
-
-
-def _with(state: dict[str, dict[str, Any]], each: Any) -> dict[str, dict[str, Any]]:
-    """`state` with every :class:`_Deferred` replaced by each(it), the rest as they are."""
-    return {MODEL: state[MODEL], OPTIM: {name: {k: each(v) if isinstance(v, _Deferred | _DeferredScales) else v
-                                                for k, v in entry.items()}
-                                         for name, entry in state[OPTIM].items()}}  # fmt: skip
-
-
-class _ReadWhenWritten(DefaultSavePlanner):
-    """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it, and the
-    bytes this rank writes are counted as they are asked for (`progress`: shown on the first rank, past a size)."""
-
-    def __init__(self, deferred: dict[str, _Deferred | _DeferredScales], progress: str | None = None) -> None:
-        super().__init__()
-        self.deferred = deferred
-        self.progress, self.meter = progress, NoProgress()
-        self.sizes: dict[str, int] = {}  # each key's bytes in this rank's plan
-
-    def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        unplanned = set(self.deferred) - {item.index.fqn for item in plan.items}
-        if unplanned:  # DCP named them otherwise: their placeholders (zeros) would be written instead
-            raise RuntimeError(f"portable save: DCP planned no item for {sorted(unplanned)[:3]}; nothing was "
-                               "written in place of the previous tag (a twinflow bug: please report it)")  # fmt: skip
-        return plan
-
-    def finish_plan(self, new_plan: Any) -> Any:
-        plan = super().finish_plan(new_plan)  # what this rank writes, once DCP has left out other ranks' copies
-        for item, data in ((item, item.tensor_data) for item in plan.items if item.tensor_data is not None):
-            count = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-            self.sizes[item.index.fqn] = self.sizes.get(item.index.fqn, 0) + count
-        if self.progress is not None:
-            self.meter = shown(sum(self.sizes.values()), self.progress, rank_and_world()[0] == 0)
-        return plan
-
-    def lookup_object(self, index: Any) -> Any:
-        self.meter.update(self.sizes.pop(index.fqn, 0))  # asked for as it is written
-        deferred = self.deferred.get(index.fqn)
-        if deferred is not None:
-            return deferred.local()
-        scales = self.state_dict.get(index.fqn)  # an asynchronous save's copy of a moment's block scales
-        return scales.data if isinstance(scales, portable_codes.BlockScales) else super().lookup_object(index)
-
-
-def _tied(model: torch.nn.Module) -> dict[str, str]:
-    """Each tied parameter's later names -> its first (an ``lm_head`` sharing the embeddings), for the converter."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {later: every[0] for every in names.values() for later in every[1:]}
-
-
-def _groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The param groups' hyper-parameters, each with its parameters' names (every rank's, under ZeRO-1)."""
-    names = names_of(model)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]  # fmt: skip
-    group_of = gathered({name: i for i, g in enumerate(groups) for name in g["params"]})
-    for i, g in enumerate(groups):
-        g["params"] = [name for name, gi in group_of.items() if gi == i]
-    return groups
 
 
 class PendingSave:
@@ -439,8 +212,6 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     """Saves `tag` in the portable format (see the module); every rank calls it. Returns the tag's folder, or with
     `asynchronous` a :class:`PendingSave` as soon as the tensors are copied out (the files are written in the
     background; call its ``wait()`` before the next save or load, or the end of the run)."""
-    if getattr(getattr(optimizer, "offload", None), "offloaded", False):
-        raise RuntimeError("save_portable() while the optimizer's state is offloaded: call reload_states() first")
     if asynchronous and not ASYNC_SAVE:
         raise RuntimeError(f"an asynchronous save needs torch >= 2.9 (this is {torch.__version__}): save with "
                            "asynchronous=False, or upgrade torch")  # fmt: skip
@@ -458,13 +229,13 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
             shutil.rmtree(left, ignore_errors=True)
         saving.mkdir()
     _barrier()
-    state = {MODEL: {k: v.detach() for k, v in model.state_dict().items()}, OPTIM: _optimizer_tensors(model, optimizer)}
-    groups = _groups(model, optimizer)
+    state = {MODEL: model_tensors(model, optimizer), OPTIM: optimizer_tensors(model, optimizer)}
     keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
+    hyper = groups(model, optimizer)  # every rank's parameters' names: every rank takes part
     if rank == 0:
-        info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": groups,
+        info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": extra, "meta": meta, "sums": True, "tied": _tied(model),
+                "extra": extra, "meta": meta, "sums": True, "tied": tied(model),
                 "model_keys": list(state[MODEL])}  # fmt: skip
         write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
@@ -472,14 +243,14 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
                                 storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
-                                planner=_ReadWhenWritten({}))  # fmt: skip
+                                planner=ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]
     # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
-    planned = _with(state, lambda deferred: deferred.placeholder)
+    planned = with_each(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
-    planner = _ReadWhenWritten(_deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
+    planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
     dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
     planner.meter.close()
     _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written

@@ -28,7 +28,7 @@ import torch
 
 from twinflow.checkpoint.checkpoint_files import CheckpointError, rename_into_place, temp_path, write_temp
 from twinflow.checkpoint.convert import write_skeleton
-from twinflow.checkpoint.portable import INFO, OPTIM
+from twinflow.checkpoint.portable import INFO
 from twinflow.checkpoint.portable_codes import (
     CODES,
     HI,
@@ -42,6 +42,7 @@ from twinflow.checkpoint.portable_codes import (
     moment_of,
 )
 from twinflow.checkpoint.portable_load import Folder, Rows, RowsPlanner, row_batches
+from twinflow.checkpoint.portable_state import OPTIM
 from twinflow.checkpoint.safetensors_out import pwrite_all
 from twinflow.precision import compact
 

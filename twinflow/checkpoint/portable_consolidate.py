@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from twinflow.checkpoint.portable import MODEL, OPTIM
 from twinflow.checkpoint.portable_codes import HI, LO, masters24_decoded
 from twinflow.checkpoint.portable_load import Folder, Rows, RowsPlanner, row_batches
+from twinflow.checkpoint.portable_state import MODEL, OPTIM
 from twinflow.checkpoint.safetensors_out import (
     Out,
     checked_dtype,

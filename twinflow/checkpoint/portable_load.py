@@ -36,20 +36,9 @@ from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
-from twinflow.checkpoint.portable import (
-    INFO,
-    MODEL,
-    OLD,
-    OPTIM,
-    dcp,
-    gathered,
-    host_tensor,
-    is_portable,
-    names_of,
-    planned_tensor,
-    tag_of,
-)
+from twinflow.checkpoint.portable import INFO, OLD, dcp, is_portable, tag_of
 from twinflow.checkpoint.portable_codes import OWNED, moment_of
+from twinflow.checkpoint.portable_state import MODEL, OPTIM, gathered, host_tensor, names_of, planned_tensor
 from twinflow.checkpoint.portable_sums import THREADS, check_files, read_sums
 
 try:
