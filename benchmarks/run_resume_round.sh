@@ -8,9 +8,9 @@
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
 # load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
-# copies on K threads; NAME=S adds S to the output's name; SPY=1 samples every thread with py-spy (on the PATH) into
-# $OUT/<the output's name>.spy.txt (benchmarks/spy_summary.py reads it; a run that wrote no JSON fails, as py-spy
-# exits 0 whatever its child did). NVLink multicast stays off.
+# copies on K threads; PER_RANK=1 (save) writes the per-rank format; NAME=S adds S to the output's name; SPY=1
+# samples every thread with py-spy (on the PATH) into $OUT/<the output's name>.spy.txt (benchmarks/spy_summary.py
+# reads it; a run that wrote no JSON fails, as py-spy exits 0 whatever its child did). NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +33,7 @@ spy=""
 run="timeout $limit $spy torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
 [ "${PROFILE:-0}" = 1 ] && run="$run --profile"
 [ -n "${READ_THREADS:-}" ] && run="$run --read-threads $READ_THREADS"
+[ "${PER_RANK:-0}" = 1 ] && run="$run --per-rank"
 case $what in
 save | async)
     rm -rf "$ck" && mkdir -p "$ck"

@@ -189,20 +189,20 @@ def run(argv: list[str]) -> None:
         report["losses"] = train(engine, range(args.steps), device)
     elif args.mode == "die-saving":
         train(engine, range(STEPS_TO_A), device)
-        engine.save_checkpoint(args.checkpoint, "A")
+        engine.save_checkpoint(args.checkpoint, "A", portable=False)
         report["losses_after_A"] = train(engine, range(STEPS_TO_A, STEPS_TO_A + STEPS_AFTER_A), device)
         (args.out / f"rank{rank}.json").write_text(json.dumps(report))
         torch.distributed.barrier()  # every rank's report written before one dies (and the others are killed)
         if rank == args.kill_rank:  # its shard: halfway, by the size of its shard of A; meta.json: 64 bytes in
             shard = (args.checkpoint / "A" / f"rank{rank}.pt").stat().st_size
             die_while_writing(args.kill, {"shard": shard // 2, "meta": 64, "latest": 0}[args.kill])
-        engine.save_checkpoint(args.checkpoint, "B")
+        engine.save_checkpoint(args.checkpoint, "B", portable=False)
         sys.exit(f"rank {rank}: the save of B finished, and no rank was killed during it")
     else:
         folder, _ = engine.load_checkpoint(args.checkpoint)
         report |= {"loaded": folder.name, "global_steps": engine.global_steps}
         report["losses"] = train(engine, range(STEPS_TO_A, STEPS_TO_A + STEPS_AFTER_A), device)
-        engine.save_checkpoint(args.checkpoint, "C")
+        engine.save_checkpoint(args.checkpoint, "C", portable=False)
 
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.distributed.barrier()  # every rank done before any tears the group down (a lone exit can abort)

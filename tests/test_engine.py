@@ -286,7 +286,6 @@ def test_offload_ratio_auto_reaches_twinflow_adam_and_resolves_at_the_first_step
 
 
 def test_offload_ratio_auto_checkpoints_record_the_chosen_ratio_to_resume_with(tmp_path) -> None:
-    import json
 
     config = {"train_micro_batch_size_per_gpu": 4, "offload_ratio": "auto"}
     data = batches(6, 4, seed=8)
@@ -294,7 +293,8 @@ def test_offload_ratio_auto_checkpoints_record_the_chosen_ratio_to_resume_with(t
     engine_losses(engine, data[:3])
     folder = engine.save_checkpoint(tmp_path)
     uninterrupted = engine_losses(engine, data[3:])
-    saved = json.loads((folder / "meta.json").read_text())["meta"]
+    assert twinflow.checkpoint.read_meta(tmp_path)[0] == folder.name  # the engine's default: the portable format
+    saved = twinflow.checkpoint.read_meta(tmp_path)[1]["meta"]
     assert saved["ratio"] == opt.ratio and saved["config"]["offload_ratio"] == "auto"
 
     # resumed as configured ("auto" again): the loaded state waits for the ratio the first step decides

@@ -3,7 +3,8 @@ another number of processes resumes from (``save_portable``, ``load_portable``, 
 checkpoint), the compact state streamed as it is kept, and conversion to torch's AdamW state dict
 (``python -m twinflow.convert``)."""
 
-from twinflow.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from twinflow.checkpoint.any_format import read_meta
+from twinflow.checkpoint.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from twinflow.checkpoint.portable import save_portable
 from twinflow.checkpoint.portable_load import load_portable
 

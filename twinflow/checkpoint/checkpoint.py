@@ -66,7 +66,6 @@ from twinflow.checkpoint.checkpoint_files import (
     write_atomic,
     write_temp,
 )
-from twinflow.checkpoint.convert import decoded
 from twinflow.optim.cpu_adam import CPUAdam
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.version import __version__
@@ -397,7 +396,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {tag!r} was saved by {info['world_size']} ranks; this run has {world}: resume with "
             f"the same number of processes (a per-rank checkpoint); to move it, load it there and save it again "
-            f"with portable=True (engine.save_checkpoint(dir, tag, portable=True)), which any number resumes"
+            f"in the portable format (engine.save_checkpoint(dir, tag), its default), which any number resumes"
         )
     path = directory / tag / f"rank{rank}.pt"
     expected = info["shards"].get(path.name)
@@ -420,7 +419,7 @@ def load_checkpoint(
             if compact_checkpoint.writes_compact(optimizer):
                 extra = _load_compact(tag, compact, model, optimizer, scheduler)
             else:  # any other optimizer (or TwinFlowAdam before ratio='auto' built): decoded, in memory
-                extra = _load_shard(tag, decoded(compact), where, model, optimizer, scheduler)
+                extra = _load_shard(tag, compact_checkpoint.decoded(compact), where, model, optimizer, scheduler)
         else:
             data = read_verified(f, tag, path, expected)  # read once: hashed, then loaded from memory
             try:

@@ -469,10 +469,10 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
         raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
     if not meta_path.is_file() and (folder / ".metadata").is_file() and (folder / "twinflow.pt").is_file():
         raise CheckpointError(
-            f"checkpoint {tag!r} in {str(directory)!r} is a portable one (saved with portable=True, on PyTorch's "
-            "distributed checkpoint); this reads the per-rank format only. Load it with engine.load_checkpoint, on "
-            "any number of processes, or twinflow.checkpoint.load_portable; for the hub, then "
-            "model.save_pretrained(...)"
+            f"checkpoint {tag!r} in {str(directory)!r} is a portable one (engine.save_checkpoint's default, on "
+            "PyTorch's distributed checkpoint); this reads the per-rank format only. Load it with "
+            "engine.load_checkpoint, on any number of processes, or twinflow.checkpoint.load_portable; for the hub, "
+            "python -m twinflow.convert DIR TAG --safetensors OUT"
         )
     if not meta_path.is_file():
         raise CheckpointError(

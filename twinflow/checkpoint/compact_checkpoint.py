@@ -38,7 +38,7 @@ conversion batch's scratch (:func:`convert_elements`); a load one frame's bytes 
 :class:`CompactShard` reads and verifies a whole shard (its sha256, every frame against the head) before a
 load changes anything, then reads it again to apply it, from the same open file. A TwinFlowAdam of another
 (compact) precision takes the records too; any other optimizer (torch's AdamW, TwinFlowAdam in "fp32", or one
-under ratio="auto" before its first step) gets :func:`twinflow.checkpoint.convert.decoded`, the float32 state
+under ratio="auto" before its first step) gets :func:`decoded`, the float32 state
 dict in memory.
 Keys of the user's own in ``opt.state`` are not saved: TwinFlowAdam gives them only with its decoded state.
 """
@@ -450,3 +450,41 @@ def load_in_place(shard: CompactShard, model_state: dict[str, torch.Tensor], opt
             groups[-1]["param_names"] = ours["param_names"]
     optimizer.__setstate__({"state": {}, "param_groups": groups})  # as torch.optim's load_state_dict ends
     owner.loaded_raw({i: step for i, (_, _, step) in enumerate(shard.params) if step is not None})
+
+
+def decode_record(record: list, payload: list[torch.Tensor]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """A state record decoded to float32, a batch at a time: (key, first element in the parameter, values)."""
+    _, _, start, end, form = record
+    step = convert_elements(torch.device("cpu"))  # a multiple of the block
+    for a in range(0, end - start, step):
+        b = min(end - start, a + step)
+        scales = slice(a // BLOCK, blocks(b))
+        yield "exp_avg", start + a, compact.decode_exp_avg(payload[0][a:b], payload[1][scales])
+        yield "exp_avg_sq", start + a, compact.decode_exp_avg_sq(payload[2][a:b], payload[3][scales])
+        if form != "none":
+            master = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
+            yield "master", start + a, master
+
+
+def entry_skeleton(shard: CompactShard, i: int, make: Any = torch.zeros) -> dict[str, torch.Tensor]:
+    """Parameter i's entry in torch.optim's layout (as TwinFlowAdam's ``state_dict()`` has it), its float32
+    tensors made by ``make(shape, dtype=torch.float32)``."""
+    shape, dtype, step = shard.params[i]
+    keys = ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32 else ())
+    return {"step": torch.tensor(float(step))} | {key: make(shape, dtype=torch.float32) for key in keys}
+
+
+def decoded(shard: CompactShard) -> dict[str, Any]:
+    """The verified `shard` in the layout of other optimizers' shards, in memory: the model's tensors and a
+    torch.optim state dict of float32 moments and masters (12 bytes a parameter: not bounded)."""
+    model = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in shard.model}
+    state = {i: entry_skeleton(shard, i) for i, (_, _, step) in enumerate(shard.params) if step is not None}
+    flats = [t.view(-1) for t in model.values()]
+    for record, payload in shard.frames():
+        if record[0] == "model":
+            flats[record[1]][record[2] : record[3]].copy_(payload)
+            continue
+        for key, at, values in decode_record(record, payload):
+            state[record[1]][key].view(-1)[at : at + values.numel()].copy_(values)
+    optimizer = {"state": state, "param_groups": shard.head["param_groups"]}
+    return {"model": model, "optimizer": optimizer, "scheduler": shard.scheduler, "extra": shard.extra}

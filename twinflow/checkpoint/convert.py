@@ -51,49 +51,9 @@ from twinflow.checkpoint.checkpoint_files import (
     temp_path,
     write_temp,
 )
-from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.checkpoint.compact_checkpoint import CompactShard, decode_record, entry_skeleton, is_compact
 from twinflow.checkpoint.consolidate import shard_file
 from twinflow.checkpoint.safetensors_out import pwrite_all
-from twinflow.precision import compact
-from twinflow.precision.compact import BLOCK, blocks
-
-
-def decode_record(record: list, payload: list[torch.Tensor]) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """A state record decoded to float32, a batch at a time: (key, first element in the parameter, values)."""
-    _, _, start, end, form = record
-    step = convert_elements(torch.device("cpu"))  # a multiple of the block
-    for a in range(0, end - start, step):
-        b = min(end - start, a + step)
-        scales = slice(a // BLOCK, blocks(b))
-        yield "exp_avg", start + a, compact.decode_exp_avg(payload[0][a:b], payload[1][scales])
-        yield "exp_avg_sq", start + a, compact.decode_exp_avg_sq(payload[2][a:b], payload[3][scales])
-        if form != "none":
-            master = compact.decode_master(payload[4][a:b], payload[5][a:b]) if form == "m24" else payload[4][a:b]
-            yield "master", start + a, master
-
-
-def entry_skeleton(shard: CompactShard, i: int, make: Any = torch.zeros) -> dict[str, torch.Tensor]:
-    """Parameter i's entry in torch.optim's layout (as TwinFlowAdam's ``state_dict()`` has it), its float32
-    tensors made by ``make(shape, dtype=torch.float32)``."""
-    shape, dtype, step = shard.params[i]
-    keys = ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32 else ())
-    return {"step": torch.tensor(float(step))} | {key: make(shape, dtype=torch.float32) for key in keys}
-
-
-def decoded(shard: CompactShard) -> dict[str, Any]:
-    """The verified `shard` in the layout of other optimizers' shards, in memory: the model's tensors and a
-    torch.optim state dict of float32 moments and masters (12 bytes a parameter: not bounded)."""
-    model = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in shard.model}
-    state = {i: entry_skeleton(shard, i) for i, (_, _, step) in enumerate(shard.params) if step is not None}
-    flats = [t.view(-1) for t in model.values()]
-    for record, payload in shard.frames():
-        if record[0] == "model":
-            flats[record[1]][record[2] : record[3]].copy_(payload)
-            continue
-        for key, at, values in decode_record(record, payload):
-            state[record[1]][key].view(-1)[at : at + values.numel()].copy_(values)
-    optimizer = {"state": state, "param_groups": shard.head["param_groups"]}
-    return {"model": model, "optimizer": optimizer, "scheduler": shard.scheduler, "extra": shard.extra}
 
 
 def tensors_of(obj: Any) -> Iterator[torch.Tensor]:

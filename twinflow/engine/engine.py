@@ -44,8 +44,8 @@ import torch
 from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable as portable_checkpoint
-from twinflow.checkpoint.checkpoint import load_checkpoint, save_checkpoint
-from twinflow.checkpoint.portable_load import load_portable
+from twinflow.checkpoint.any_format import load_either
+from twinflow.checkpoint.checkpoint import save_checkpoint
 from twinflow.engine.config import Config, ConfigError, load_config
 from twinflow.engine.schedulers import build_scheduler
 from twinflow.optim import offload_states
@@ -282,14 +282,18 @@ class Engine:
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
-                        portable: bool = False, asynchronous: bool = False) -> Path:  # fmt: skip
-        """Writes this rank's shard (model, its optimizer share, scheduler, counters) atomically; `portable`: in the
-        format another number of processes resumes from (:mod:`twinflow.checkpoint.portable`, on PyTorch's
-        distributed checkpoint); `asynchronous` (portable only): written in the background while training goes
-        on, put in place at the next save or load or :meth:`wait_checkpoint`."""
+                        portable: bool = True, asynchronous: bool = False) -> Path:  # fmt: skip
+        """Writes the model, the optimizer's state, the scheduler and the counters atomically, in the format any
+        number of processes resumes from, under any stage, ratio or precision (:mod:`twinflow.checkpoint.portable`,
+        on PyTorch's distributed checkpoint); `portable=False`: one shard a rank, which only the same number of
+        processes resumes from (:mod:`twinflow.checkpoint.checkpoint`); `asynchronous` (portable only): written in
+        the background while training goes on, put in place at the next save or load or :meth:`wait_checkpoint`."""
         self.wait_checkpoint()
         if asynchronous and not portable:
-            raise ValueError("save_checkpoint(asynchronous=True) writes the portable format: pass portable=True")
+            raise ValueError(
+                "save_checkpoint(asynchronous=True, portable=False): only the portable format is written "
+                "in the background; leave portable=True (the default)"
+            )
         tag = tag or f"global_step{self.global_steps}"
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
                  "skipped_steps": self.skipped_steps,
@@ -319,8 +323,7 @@ class Engine:
         """Restores a checkpoint (``latest`` when no tag); returns (its folder, the saved client_state)."""
         # offload_ratio "auto" not decided yet: the optimizer keeps the loaded state until its first step builds it
         self.wait_checkpoint(release_memory=True)  # the load needs host memory more than the next save
-        load = load_portable if portable_checkpoint.holds(Path(load_dir), tag) else load_checkpoint
-        extra, meta = load(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
+        extra, meta = load_either(load_dir, tag, model=self.module, optimizer=self.local_optimizer,
                            scheduler=self.lr_scheduler)  # fmt: skip
         if self.optimizer is not self.local_optimizer:  # ZeRO-1: its groups drive the local optimizer's lr
             for group, local in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
