@@ -4,6 +4,9 @@
     PYTHONPATH=/tmp/old TORCH_EXTENSIONS_DIR=/tmp/old_ext python tests/checkpoint_fixture.py \
         --out tests/data/checkpoints_1111190 --written-by 1111190
 
+The portable one, with the tree of 4637d54 (the engine saves the portable format by default since c758ae8):
+``python tests/checkpoint_fixture.py --out tests/data/checkpoints_portable_4637d54 --written-by 4637d54``.
+
 Each precision trains a small model through the engine for a few steps, saves a checkpoint, trains on and records
 the losses of the steps after the save: a checkpoint loaded by later code must continue the same way.
 """
