@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,25 @@ class _Meter:
 
     def close(self) -> None:
         self.closed += 1
+
+
+def test_one_process_saves_and_loads_without_dcps_warning_that_it_is_alone(tmp_path) -> None:
+    """DCP warns at each call made without torch.distributed (and at each of a load's per-rank reads, ``no_dist``):
+    the engine's default checkpoint would print it at every save. Only that warning is kept quiet, only in the call
+    (an asynchronous save's write, on DCP's own thread, may still print it once a process)."""
+    model, opt = _single(0)
+    _train(model, opt, 1)
+    other, other_opt = _single(1)
+    _train(other, other_opt, 1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+        portable_load.load_portable(tmp_path / "ckpt", model=other, optimizer=other_opt)
+        assert [str(w.message) for w in seen if "torch.distributed" in str(w.message)] == []
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is ...",
+                      UserWarning, stacklevel=1)  # fmt: skip
+    assert [str(w.message)[:24] for w in seen] == ["torch.distributed is dis"]  # outside the calls: shown
+    assert all(a.equal(b) for a, b in zip(other.parameters(), model.parameters(), strict=True))
 
 
 def test_a_save_and_a_loads_checks_count_every_byte_they_write_and_read(tmp_path, monkeypatch, capsys) -> None:

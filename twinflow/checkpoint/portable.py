@@ -41,9 +41,12 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import inspect
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,17 @@ except ImportError:  # pragma: no cover (torch >= 2.4 has it)
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
+
+
+@contextlib.contextmanager
+def alone_quietly() -> Iterator[None]:
+    """DCP's calls without its warning that a process saves or loads on its own ("torch.distributed is disabled,
+    unavailable or uninitialized, assuming ..."): one process, or a rank reading its pieces alone, is what twinflow
+    asks of it, not a mistake to tell the user of at every save. (An asynchronous save's write runs on DCP's own
+    thread, past this call: there it may still be printed, once a process.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent", category=UserWarning)
+        yield
 
 
 def is_portable(folder: Path) -> bool:
@@ -241,9 +255,10 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
         writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
-        future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
-                                storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
-                                planner=ReadWhenWritten({}))  # fmt: skip
+        with alone_quietly():
+            future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
+                                    storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
+                                    planner=ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]
@@ -251,7 +266,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     planned = with_each(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
     planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
-    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
+    with alone_quietly():
+        dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
     planner.meter.close()
     _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
