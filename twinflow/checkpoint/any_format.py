@@ -16,6 +16,7 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     """The tag (``latest``'s when None) and what was saved beside its tensors, in either format, checked (a
     CheckpointError names the problem and the fix): ``meta`` (the caller's; the engine's holds its config and the
     ratio it ran at), ``world_size``, ``twinflow_version``, and the format's own entries."""
+    tag = None if tag == "latest" else tag
     if holds(Path(directory), tag):
         folder = Folder(Path(directory), tag)
         return folder.tag, folder.info

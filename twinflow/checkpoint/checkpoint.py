@@ -66,6 +66,8 @@ from twinflow.checkpoint.checkpoint_files import (
     write_atomic,
     write_temp,
 )
+from twinflow.checkpoint.portable import remove_portable
+from twinflow.checkpoint.saved_values import check_extra, meta_json, weights_only_error
 from twinflow.optim.cpu_adam import CPUAdam
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.version import __version__
@@ -85,86 +87,6 @@ def _check_tag(tag: Any) -> None:
             f"tag={tag!r}; expected a plain folder name (a non-empty string without '/', not starting with '.', "
             "not 'latest'), e.g. tag='step100'"
         )
-
-
-def _json_offender(value: Any, where: str) -> tuple[str, Any] | None:
-    """The first place in `value` that JSON cannot hold, as (where, what), or None."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return None
-    if isinstance(value, (list, tuple)):
-        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, dict):
-        for key in value:
-            if key is not None and not isinstance(key, (str, int, float, bool)):
-                return f"the key {key!r} of {where}", key
-        items = ((f"{where}[{key!r}]", v) for key, v in value.items())
-    else:
-        return where, value
-    for place, item in items:
-        found = _json_offender(item, place)
-        if found is not None:
-            return found
-    return None
-
-
-def _meta_json(meta: Any) -> str:
-    """`meta` as JSON text; TypeError naming the first value JSON cannot hold."""
-    if not isinstance(meta, dict):
-        raise TypeError(f"meta= is a {type(meta).__name__}; expected a dict of JSON values (it becomes meta.json)")
-    try:
-        return json.dumps(meta)
-    except (TypeError, ValueError, RecursionError) as exc:
-        try:
-            found = _json_offender(meta, "meta")
-        except RecursionError:
-            found = None
-        if found is None:  # e.g. a dict that contains itself
-            raise TypeError(f"meta= cannot be written as JSON ({exc}); pass a tree of plain values") from exc
-        where, value = found
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which JSON cannot hold (meta= is saved as meta.json): pass "
-            "str, int, float, bool, None, lists and dicts with string keys, e.g. str(value) or tensor.tolist()"
-        ) from exc
-
-
-def _weights_only_error(exc: Exception) -> str:
-    """The line of torch's (long) error that names what failed."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    useful = [line for line in lines if "Unsupported global" in line or "WeightsUnpickler" in line]
-    return f"{type(exc).__name__}: {(useful or lines or [''])[0][:300]}"
-
-
-def _round_trip(value: Any) -> None:
-    """Raises what torch.save, or torch.load(weights_only=True) reading it back, raises for `value`."""
-    buffer = io.BytesIO()
-    save_to_stream(value, buffer)
-    torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
-
-
-def _check_extra(extra: Any) -> None:
-    """TypeError naming the entry of `extra` that cannot be saved, or not loaded back by load_checkpoint."""
-    if not isinstance(extra, dict):
-        raise TypeError(f"extra= is a {type(extra).__name__}; expected a dict (e.g. {{'step': 3}})")
-    try:
-        _round_trip(extra)  # in memory: extra holds counters and RNG states, small beside the shard
-    except (OSError, MemoryError):
-        raise
-    except Exception as whole:
-        for key, value in extra.items():
-            try:
-                _round_trip(value)
-            except (OSError, MemoryError):
-                raise
-            except Exception as exc:
-                raise TypeError(
-                    f"extra[{key!r}] (a {type(value).__name__}) cannot be saved in a checkpoint that "
-                    f"load_checkpoint reads back with torch.load(weights_only=True) ({_weights_only_error(exc)}): "
-                    "pass tensors and plain values (numbers, strings, lists, tuples, dicts), e.g. obj.state_dict() "
-                    "instead of obj, or str(obj)"
-                ) from exc
-        raise TypeError(
-            f"extra= cannot be saved ({_weights_only_error(whole)}): pass tensors and plain values"
-        ) from whole
 
 
 def save_checkpoint(
@@ -191,8 +113,8 @@ def save_checkpoint(
     _check_tag(tag)
     meta = {} if meta is None else meta
     extra = {} if extra is None else extra
-    _meta_json(meta)  # on every rank, before anything is written: all ranks refuse alike
-    _check_extra(extra)
+    meta_json(meta)  # on every rank, before anything is written: all ranks refuse alike
+    check_extra(extra)
     rank, world = rank_and_world()
     start = time.monotonic()
     directory = Path(directory)
@@ -227,6 +149,7 @@ def save_checkpoint(
                 created += make_dirs(folder)
                 marker = mark_saving(folder)
                 (folder / "meta.json").unlink(missing_ok=True)  # a re-saved tag: it would describe the old shards
+                remove_portable(folder)  # a tag saved portable before: a load would find that one first
                 if not path.exists():
                     created.append(path)
                 rename_into_place(tmp, path)
@@ -426,7 +349,7 @@ def load_checkpoint(
                 shard = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # its hash matched: written so, e.g. by another tool, not damaged on the way
                 raise CheckpointError(
-                    f"{where} cannot be read with torch.load(weights_only=True) ({_weights_only_error(exc)}). {DAMAGED}"
+                    f"{where} cannot be read with torch.load(weights_only=True) ({weights_only_error(exc)}). {DAMAGED}"
                 ) from exc
             extra = _load_shard(tag, shard, where, model, optimizer, scheduler)
     if rank == 0:

@@ -342,7 +342,8 @@ def sha256_of(path: Path) -> str:
 
 
 def _tags(directory: Path) -> tuple[list[str], list[str]]:
-    """The complete tags in `directory` (with meta.json, oldest first) and the incomplete ones (shards only)."""
+    """The complete tags in `directory` (with meta.json, or portable; oldest first) and the incomplete ones (shards
+    only)."""
     complete: list[tuple[float, str]] = []
     incomplete: list[str] = []
     try:
@@ -352,8 +353,9 @@ def _tags(directory: Path) -> tuple[list[str], list[str]]:
     for p in folders:
         meta_path = p / "meta.json"
         try:
-            if meta_path.is_file():
-                complete.append((meta_path.stat().st_mtime, p.name))
+            index = meta_path if meta_path.is_file() else p / ".metadata"  # per-rank, else portable (DCP's)
+            if index.is_file() and (index is meta_path or (p / "twinflow.pt").is_file()):
+                complete.append((index.stat().st_mtime, p.name))
             elif any(SHARD_NAME.fullmatch(q.name) for q in p.iterdir()):
                 incomplete.append(p.name)
         except OSError:  # removed meanwhile, or unreadable: the hint lists what can be read
@@ -367,7 +369,7 @@ def _tag_hint(directory: Path) -> str:
     if complete:
         hint = f"complete checkpoints there, oldest first: {complete}; pass one as tag=, e.g. tag={complete[-1]!r}"
     else:
-        hint = f"there is no complete checkpoint (tag folder with meta.json) in {str(directory)!r}"
+        hint = f"there is no complete checkpoint (a tag folder with meta.json, or a portable one) in {str(directory)!r}"
     if incomplete:
         hint += f" (incomplete, never finished: {incomplete})"
     return hint

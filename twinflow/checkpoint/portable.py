@@ -41,12 +41,10 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import inspect
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +70,7 @@ from twinflow.checkpoint.portable_state import (
     with_each,
 )
 from twinflow.checkpoint.portable_sums import THREADS, write_sums
+from twinflow.checkpoint.saved_values import check_extra, check_loadable
 from twinflow.version import __version__
 
 try:
@@ -81,25 +80,31 @@ except ImportError:  # pragma: no cover (torch >= 2.4 has it)
 
 # dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
 # the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
+# DCP warns at every call made without torch.distributed, and at each per-rank read of a load (no_dist): one process
+# saving or loading on its own is what twinflow asks of it, and the engine saves this format by default. Only that
+# warning is left out, from twinflow's import on (a filter set around each call would not be thread-safe: the warning
+# filters are the process's, and an asynchronous save writes on DCP's own thread).
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+    r"(save|load) in a single process",
+    category=UserWarning,
+)
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
 INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
 
 
-@contextlib.contextmanager
-def alone_quietly() -> Iterator[None]:
-    """DCP's calls without its warning that a process saves or loads on its own ("torch.distributed is disabled,
-    unavailable or uninitialized, assuming ..."): one process, or a rank reading its pieces alone, is what twinflow
-    asks of it, not a mistake to tell the user of at every save. (An asynchronous save's write runs on DCP's own
-    thread, past this call: there it may still be printed, once a process.)"""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent", category=UserWarning)
-        yield
-
-
 def is_portable(folder: Path) -> bool:
     """Whether a tag folder holds a checkpoint of this format."""
     return (folder / INFO).is_file() and (folder / ".metadata").is_file()
+
+
+def remove_portable(folder: Path) -> None:
+    """The files of a portable checkpoint in `folder` removed, its index first (a per-rank save of the same tag
+    replaces it: a load would otherwise still find the portable one there, which a load prefers)."""
+    for path in [folder / ".metadata", folder / INFO, *folder.glob("__*_*.distcp"), *folder.glob("twinflow.sums.*")]:
+        path.unlink(missing_ok=True)
 
 
 def holds(directory: Path, tag: str | None) -> bool:
@@ -220,6 +225,21 @@ def _put_in_place(saving: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, meta: Any) -> tuple[str, str] | None:
+    """Why this rank cannot save (("value", why): a key the optimizer's state cannot be saved under; ("type", why):
+    `extra` or `meta` that twinflow.pt could not be read back with), or None."""
+    why = portable_codes.refused_key(names_of(model), optimizer)
+    if why is not None:
+        return "value", why
+    try:
+        if extra is not None:
+            check_extra(extra)
+        check_loadable(meta, "meta")
+    except TypeError as exc:
+        return "type", str(exc)
+    return None
+
+
 def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: Any = None, extra: Any = None, meta: Any = None,
                   asynchronous: bool = False) -> Path | PendingSave:  # fmt: skip
@@ -234,9 +254,12 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     directory = Path(directory)
     final, saving = directory / tag, directory / f"{tag}{SAVING}"
     wait_pending()  # this process's asynchronous saves end first (every rank has them)
-    refused = gathered({rank: portable_codes.refused_key(names_of(model), optimizer)})
+    refused = gathered({rank: _refusal(model, optimizer, extra, meta)})
     if any(why is not None for why in refused.values()):  # every rank refuses, before anything is written
-        raise ValueError(min((r, why) for r, why in refused.items() if why is not None)[1])
+        kind, why = min((r, why) for r, why in refused.items() if why is not None)[1]
+        raise (TypeError if kind == "type" else ValueError)(why)
+    if callable(getattr(optimizer, "synchronize", None)):
+        optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for left in directory.glob(f"*{SAVING}"):  # what a killed save left
@@ -255,8 +278,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
         copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
         writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
-        with alone_quietly():
-            future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
+        future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
                                     storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
                                     planner=ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
@@ -266,8 +288,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     planned = with_each(state, lambda deferred: deferred.placeholder)
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
     planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
-    with alone_quietly():
-        dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
+    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
     planner.meter.close()
     _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)

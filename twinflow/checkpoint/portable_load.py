@@ -36,7 +36,7 @@ from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
-from twinflow.checkpoint.portable import INFO, OLD, alone_quietly, dcp, is_portable, tag_of
+from twinflow.checkpoint.portable import INFO, OLD, dcp, is_portable, tag_of
 from twinflow.checkpoint.portable_codes import OWNED, moment_of
 from twinflow.checkpoint.portable_state import MODEL, OPTIM, gathered, host_tensor, names_of, planned_tensor
 from twinflow.checkpoint.portable_sums import THREADS, check_files, read_sums
@@ -172,8 +172,7 @@ class Folder:
         """Reads this rank's pieces of `target` (each rank on its own: the plan needs no other rank), planned by
         `planner` (None: DCP's default; :class:`RowsPlanner` for :class:`Rows` targets)."""
         try:
-            with alone_quietly():
-                dcp.load(target, checkpoint_id=self.folder, storage_reader=MappedReader(self.folder, self.metadata),
+            dcp.load(target, checkpoint_id=self.folder, storage_reader=MappedReader(self.folder, self.metadata),
                          planner=planner, no_dist=True)  # fmt: skip
         except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException)
             raise self.refused(exc, changed) from exc

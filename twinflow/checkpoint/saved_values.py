@@ -1,0 +1,107 @@
+"""What a checkpoint keeps beside its tensors, checked before anything is written: the caller's ``extra`` (read
+back with ``torch.load(weights_only=True)``) and ``meta`` (JSON in the per-rank format's meta.json; read back like
+``extra`` in the portable format's twinflow.pt). Each refusal is a TypeError naming the entry and the fix."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import torch
+
+from twinflow.checkpoint.checkpoint_files import save_to_stream
+
+
+def _json_offender(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first place in `value` that JSON cannot hold, as (where, what), or None."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    if isinstance(value, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for key in value:
+            if key is not None and not isinstance(key, (str, int, float, bool)):
+                return f"the key {key!r} of {where}", key
+        items = ((f"{where}[{key!r}]", v) for key, v in value.items())
+    else:
+        return where, value
+    for place, item in items:
+        found = _json_offender(item, place)
+        if found is not None:
+            return found
+    return None
+
+
+def meta_json(meta: Any) -> str:
+    """`meta` as JSON text; TypeError naming the first value JSON cannot hold."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta= is a {type(meta).__name__}; expected a dict of JSON values (it becomes meta.json)")
+    try:
+        return json.dumps(meta)
+    except (TypeError, ValueError, RecursionError) as exc:
+        try:
+            found = _json_offender(meta, "meta")
+        except RecursionError:
+            found = None
+        if found is None:  # e.g. a dict that contains itself
+            raise TypeError(f"meta= cannot be written as JSON ({exc}); pass a tree of plain values") from exc
+        where, value = found
+        raise TypeError(
+            f"{where} is a {type(value).__name__}, which JSON cannot hold (meta= is saved as meta.json): pass "
+            "str, int, float, bool, None, lists and dicts with string keys, e.g. str(value) or tensor.tolist()"
+        ) from exc
+
+
+def weights_only_error(exc: Exception) -> str:
+    """The line of torch's (long) error that names what failed."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if "Unsupported global" in line or "WeightsUnpickler" in line]
+    return f"{type(exc).__name__}: {(useful or lines or [''])[0][:300]}"
+
+
+def _round_trip(value: Any) -> None:
+    """Raises what torch.save, or torch.load(weights_only=True) reading it back, raises for `value`."""
+    buffer = io.BytesIO()
+    save_to_stream(value, buffer)
+    torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
+
+
+def check_extra(extra: Any) -> None:
+    """TypeError naming the entry of `extra` that cannot be saved, or not loaded back by load_checkpoint."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra= is a {type(extra).__name__}; expected a dict (e.g. {{'step': 3}})")
+    try:
+        _round_trip(extra)  # in memory: extra holds counters and RNG states, small beside the shard
+    except (OSError, MemoryError):
+        raise
+    except Exception as whole:
+        for key, value in extra.items():
+            try:
+                _round_trip(value)
+            except (OSError, MemoryError):
+                raise
+            except Exception as exc:
+                raise TypeError(
+                    f"extra[{key!r}] (a {type(value).__name__}) cannot be saved in a checkpoint that "
+                    f"load_checkpoint reads back with torch.load(weights_only=True) ({weights_only_error(exc)}): "
+                    "pass tensors and plain values (numbers, strings, lists, tuples, dicts), e.g. obj.state_dict() "
+                    "instead of obj, or str(obj)"
+                ) from exc
+        raise TypeError(
+            f"extra= cannot be saved ({weights_only_error(whole)}): pass tensors and plain values"
+        ) from whole
+
+
+def check_loadable(value: Any, name: str) -> None:
+    """TypeError naming `name` (e.g. "meta") unless `value` is saved and read back by torch.load(weights_only=True),
+    as a portable checkpoint's twinflow.pt is."""
+    try:
+        _round_trip(value)
+    except (OSError, MemoryError):
+        raise
+    except Exception as exc:
+        raise TypeError(
+            f"{name}= cannot be saved in a checkpoint that is read back with torch.load(weights_only=True) "
+            f"({weights_only_error(exc)}): pass tensors and plain values (numbers, strings, lists, tuples, dicts)"
+        ) from exc
