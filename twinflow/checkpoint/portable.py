@@ -234,7 +234,7 @@ def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: An
     try:
         if extra is not None:
             check_extra(extra)
-        check_loadable(meta, "meta")
+        check_loadable(meta, "meta=")
     except TypeError as exc:
         return "type", str(exc)
     return None

@@ -67,8 +67,23 @@ def _round_trip(value: Any) -> None:
     torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
 
 
+def check_loadable(value: Any, name: str) -> None:
+    """TypeError naming `name` (e.g. "meta=", "extra['rng']") unless `value` is saved and read back by
+    ``torch.load(weights_only=True)``, as every checkpoint's non-tensor part is."""
+    try:
+        _round_trip(value)
+    except (OSError, MemoryError):
+        raise
+    except Exception as exc:
+        raise TypeError(
+            f"{name} (a {type(value).__name__}) cannot be saved in a checkpoint that is read back with "
+            f"torch.load(weights_only=True) ({weights_only_error(exc)}): pass tensors and plain values (numbers, "
+            "strings, lists, tuples, dicts), e.g. obj.state_dict() instead of obj, or str(obj)"
+        ) from exc
+
+
 def check_extra(extra: Any) -> None:
-    """TypeError naming the entry of `extra` that cannot be saved, or not loaded back by load_checkpoint."""
+    """TypeError naming the entry of `extra` that cannot be saved, or not loaded back by a load."""
     if not isinstance(extra, dict):
         raise TypeError(f"extra= is a {type(extra).__name__}; expected a dict (e.g. {{'step': 3}})")
     try:
@@ -77,31 +92,7 @@ def check_extra(extra: Any) -> None:
         raise
     except Exception as whole:
         for key, value in extra.items():
-            try:
-                _round_trip(value)
-            except (OSError, MemoryError):
-                raise
-            except Exception as exc:
-                raise TypeError(
-                    f"extra[{key!r}] (a {type(value).__name__}) cannot be saved in a checkpoint that "
-                    f"load_checkpoint reads back with torch.load(weights_only=True) ({weights_only_error(exc)}): "
-                    "pass tensors and plain values (numbers, strings, lists, tuples, dicts), e.g. obj.state_dict() "
-                    "instead of obj, or str(obj)"
-                ) from exc
+            check_loadable(value, f"extra[{key!r}]")
         raise TypeError(
             f"extra= cannot be saved ({weights_only_error(whole)}): pass tensors and plain values"
         ) from whole
-
-
-def check_loadable(value: Any, name: str) -> None:
-    """TypeError naming `name` (e.g. "meta") unless `value` is saved and read back by torch.load(weights_only=True),
-    as a portable checkpoint's twinflow.pt is."""
-    try:
-        _round_trip(value)
-    except (OSError, MemoryError):
-        raise
-    except Exception as exc:
-        raise TypeError(
-            f"{name}= cannot be saved in a checkpoint that is read back with torch.load(weights_only=True) "
-            f"({weights_only_error(exc)}): pass tensors and plain values (numbers, strings, lists, tuples, dicts)"
-        ) from exc
