@@ -69,6 +69,7 @@ from twinflow.checkpoint.checkpoint_files import (
 from twinflow.checkpoint.portable import remove_portable
 from twinflow.checkpoint.saved_values import check_extra, meta_json, weights_only_error
 from twinflow.optim.cpu_adam import CPUAdam
+from twinflow.optim.offload_states import where_now
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
 from twinflow.version import __version__
 
@@ -77,7 +78,7 @@ __all__ = ["CheckpointError", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 def _local_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, torch.Tensor]:
     """The model's state as this rank holds it (FSDP2: local shards), read where ``offload_states`` moved it."""
-    view = optimizer.offload.host_view if isinstance(optimizer, TwinFlowAdam) else lambda t: t
+    view = where_now(optimizer)
     return {key: v if (v := view(x)) is x else v.clone() for key, t in model.state_dict().items() for x in [local(t)]}
 
 

@@ -341,6 +341,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+PORTABLE_INFO = "twinflow.pt"  # a portable checkpoint's non-tensor part, beside DCP's .metadata (:mod:`.portable`)
+
+
+def is_portable(folder: Path) -> bool:
+    """Whether a tag folder holds a complete checkpoint of the portable format (:mod:`.portable`)."""
+    return (folder / PORTABLE_INFO).is_file() and (folder / ".metadata").is_file()
+
+
 def _tags(directory: Path) -> tuple[list[str], list[str]]:
     """The complete tags in `directory` (with meta.json, or portable; oldest first) and the incomplete ones (shards
     only)."""
@@ -354,7 +362,7 @@ def _tags(directory: Path) -> tuple[list[str], list[str]]:
         meta_path = p / "meta.json"
         try:
             index = meta_path if meta_path.is_file() else p / ".metadata"  # per-rank, else portable (DCP's)
-            if index.is_file() and (index is meta_path or (p / "twinflow.pt").is_file()):
+            if index is meta_path or is_portable(p):
                 complete.append((index.stat().st_mtime, p.name))
             elif any(SHARD_NAME.fullmatch(q.name) for q in p.iterdir()):
                 incomplete.append(p.name)
@@ -469,7 +477,7 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     meta_path = folder / "meta.json"
     if not folder.is_dir():
         raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
-    if not meta_path.is_file() and (folder / ".metadata").is_file() and (folder / "twinflow.pt").is_file():
+    if not meta_path.is_file() and is_portable(folder):
         raise CheckpointError(
             f"checkpoint {tag!r} in {str(directory)!r} is a portable one (engine.save_checkpoint's default, on "
             "PyTorch's distributed checkpoint); this reads the per-rank format only. Load it with "

@@ -54,7 +54,8 @@ import torch.distributed as dist
 from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes, portable_staging
-from twinflow.checkpoint.checkpoint_files import CheckpointError, save_to_stream, write_atomic
+from twinflow.checkpoint.checkpoint_files import PORTABLE_INFO as INFO
+from twinflow.checkpoint.checkpoint_files import CheckpointError, is_portable, save_to_stream, write_atomic
 from twinflow.checkpoint.portable_state import (
     MODEL,
     OPTIM,
@@ -78,8 +79,6 @@ try:
 except ImportError:  # pragma: no cover (torch >= 2.4 has it)
     dcp = None
 
-# dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
-# the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
 # DCP warns at every call made without torch.distributed, and at each per-rank read of a load (no_dist): one process
 # saving or loading on its own is what twinflow asks of it, and the engine saves this format by default. Only that
 # warning is left out, from twinflow's import on (a filter set around each call would not be thread-safe: the warning
@@ -90,14 +89,10 @@ warnings.filterwarnings(
     r"(save|load) in a single process",
     category=UserWarning,
 )
+# dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
+# the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
-INFO = "twinflow.pt"
 SAVING, OLD = ".saving", ".old"
-
-
-def is_portable(folder: Path) -> bool:
-    """Whether a tag folder holds a checkpoint of this format."""
-    return (folder / INFO).is_file() and (folder / ".metadata").is_file()
 
 
 def remove_portable(folder: Path) -> None:
@@ -225,18 +220,18 @@ def _put_in_place(saving: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, meta: Any) -> tuple[str, str] | None:
-    """Why this rank cannot save (("value", why): a key the optimizer's state cannot be saved under; ("type", why):
+def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, meta: Any) -> Exception | None:
+    """Why this rank cannot save (a ValueError: a key the optimizer's state cannot be saved under; a TypeError:
     `extra` or `meta` that twinflow.pt could not be read back with), or None."""
     why = portable_codes.refused_key(names_of(model), optimizer)
     if why is not None:
-        return "value", why
+        return ValueError(why)
     try:
         if extra is not None:
             check_extra(extra)
         check_loadable(meta, "meta=")
     except TypeError as exc:
-        return "type", str(exc)
+        return exc
     return None
 
 
@@ -256,8 +251,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     wait_pending()  # this process's asynchronous saves end first (every rank has them)
     refused = gathered({rank: _refusal(model, optimizer, extra, meta)})
     if any(why is not None for why in refused.values()):  # every rank refuses, before anything is written
-        kind, why = min((r, why) for r, why in refused.items() if why is not None)[1]
-        raise (TypeError if kind == "type" else ValueError)(why)
+        raise next(refused[r] for r in sorted(refused) if refused[r] is not None)
     if callable(getattr(optimizer, "synchronize", None)):
         optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
     if rank == 0:
@@ -279,8 +273,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
         writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
         future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
-                                    storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
-                                    planner=ReadWhenWritten({}))  # fmt: skip
+                                storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
+                                planner=ReadWhenWritten({}))  # fmt: skip
         summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
         _pending.append(PendingSave(summed, saving, final, start))
         return _pending[-1]

@@ -173,7 +173,7 @@ class Folder:
         `planner` (None: DCP's default; :class:`RowsPlanner` for :class:`Rows` targets)."""
         try:
             dcp.load(target, checkpoint_id=self.folder, storage_reader=MappedReader(self.folder, self.metadata),
-                         planner=planner, no_dist=True)  # fmt: skip
+                     planner=planner, no_dist=True)  # fmt: skip
         except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 (DCP's: a BaseException)
             raise self.refused(exc, changed) from exc
 

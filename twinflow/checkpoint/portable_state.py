@@ -24,7 +24,7 @@ from twinflow.base.distributed import is_dtensor, local, rank_and_world
 from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES
-from twinflow.optim.offload_states import StateOffload
+from twinflow.optim.offload_states import where_now
 
 try:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -86,12 +86,10 @@ def gathered(mine: dict[str, Any]) -> dict[str, Any]:
 def model_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``model.state_dict()``, each tensor whose memory ``offload_states(weights=True)`` moved to the optimizer's
     host buffer read there when DCP writes it (:class:`_Deferred`): the model's own tensor has no memory now."""
-    offload = getattr(optimizer, "offload", None)
-    offload = offload if isinstance(offload, StateOffload) else None  # TwinFlowAdam's; another optimizer's is not
-    out: dict[str, Any] = {}
+    view, out = where_now(optimizer), {}
     for key, t in model.state_dict().items():
         piece = local(t).detach()
-        where = piece if offload is None else offload.host_view(piece)
+        where = view(piece)
         out[key] = t.detach() if where is piece else _Deferred(t, t.dtype, functools.partial(_read_view, where))
     return out
 

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import mmap
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -211,6 +212,13 @@ class StateOffload:
         gone = {id(t.untyped_storage()) for t in tensors}
         self.out = [(s, offset, n) for s, offset, n in self.out if id(s) not in gone]
         self.place = {k: v for k, v in self.place.items() if k not in gone}
+
+
+def where_now(optimizer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a tensor of `optimizer`'s model is read where it is now: TwinFlowAdam's :meth:`StateOffload.host_view`
+    (the host buffer, for what ``offload_states()`` moved); any other optimizer's tensors as they are."""
+    offload = getattr(optimizer, "offload", None)
+    return offload.host_view if isinstance(offload, StateOffload) else lambda t: t
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
