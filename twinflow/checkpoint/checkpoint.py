@@ -45,7 +45,7 @@ import torch
 
 from twinflow.base.distributed import local, rank_and_world
 from twinflow.base.notice import notice
-from twinflow.checkpoint import compact_checkpoint, consolidate
+from twinflow.checkpoint import compact_checkpoint, rank_shard
 from twinflow.checkpoint.checkpoint_files import (
     DAMAGED,
     CheckpointError,
@@ -133,7 +133,7 @@ def save_checkpoint(
                 "model": _local_state(model, optimizer),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": extra,
-                "layout": consolidate.layout(model, optimizer),
+                "layout": rank_shard.layout(model, optimizer),
             }
             if compact_checkpoint.writes_compact(optimizer):  # its state as it is kept, a record at a time
                 write = functools.partial(compact_checkpoint.write, optimizer=optimizer, **shard)
@@ -319,8 +319,8 @@ def load_checkpoint(
     if info["world_size"] != world:
         raise CheckpointError(
             f"checkpoint {tag!r} was saved by {info['world_size']} ranks; this run has {world}: resume with "
-            f"the same number of processes (a per-rank checkpoint); to move it, load it there and save it again "
-            f"in the portable format (engine.save_checkpoint(dir, tag), its default), which any number resumes"
+            f"the same number of processes (a per-rank checkpoint), or rewrite it in the portable format, which "
+            f"any number resumes: python -m twinflow.convert {directory} {tag} --to-portable OUT_DIR"
         )
     path = directory / tag / f"rank{rank}.pt"
     expected = info["shards"].get(path.name)

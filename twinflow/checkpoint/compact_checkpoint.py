@@ -280,7 +280,9 @@ class CompactShard:
             self.head = self._load(self._read_frame(digest), "its head")
             self._check_head()
             self.body = f.tell()
+            self.offsets: list[int] = []  # where each record's frame starts, for :meth:`frame`
             for record in self.records:
+                self.offsets.append(f.tell())
                 self._check_record(record, self._load(self._read_frame(digest), f"record {record}"))
             tail = f.read(1)
             digest.update(tail)
@@ -387,6 +389,12 @@ class CompactShard:
     @property
     def extra(self) -> dict[str, Any]:
         return self.head["extra"]
+
+    def frame(self, n: int) -> Any:
+        """Record n's object, read again from where the verification found it."""
+        self.f.seek(self.offsets[n])
+        size = struct.unpack("<QQ", self.f.read(16))[0]
+        return torch.load(io.BytesIO(self.f.read(size)), map_location="cpu", weights_only=True)
 
     def frames(self, kinds: tuple[str, ...] = ("model", "state")) -> Iterator[tuple[list, Any]]:
         """Each record of `kinds` and its object, read again (in the file's order; others are skipped)."""

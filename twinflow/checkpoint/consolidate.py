@@ -27,157 +27,26 @@ bfloat16, rounded to the nearest even), others in their own dtype.
 
 Memory: the files' headers are written first (every shape is in the shards' heads), then each rank's shard is read
 once, in order, and each piece written in place with ``os.pwrite``: a compact shard's record (one frame) decoded a
-batch of 65536 elements at a time, a torch.save shard's tensors (memory-mapped) :data:`BATCH` elements at a time.
-No tensor is held whole, whatever the size of the model. Every file is written under a temporary name and renamed
-into place once complete; the index last.
+batch of 65536 elements at a time, a torch.save shard's tensors (memory-mapped) :data:`.rank_shard.BATCH` elements
+at a time. No tensor is held whole, whatever the size of the model. Every file is written under a temporary name and
+renamed into place once complete; the index last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from twinflow.base.distributed import local
-from twinflow.checkpoint.checkpoint_files import (
-    CheckpointError,
-    hash_error,
-    read_meta,
-    sha256_of,
-    size_error,
-)
-from twinflow.checkpoint.compact_checkpoint import CompactShard, convert_elements, is_compact
+from twinflow.checkpoint.checkpoint_files import CheckpointError, read_meta
+from twinflow.checkpoint.compact_checkpoint import convert_elements
+from twinflow.checkpoint.rank_shard import BATCH, RankShard
 from twinflow.checkpoint.safetensors_out import Out, checked_dtype, hub_names, parse_size, put_values, write_safetensors
 from twinflow.precision import compact
 
-BATCH = 1 << 20  # elements of a torch.save shard's tensor converted and written at once
 
-
-def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tuple[Path, dict[str, Any]]:
-    """Rank `rank`'s shard of checkpoint `tag` (its meta.json `info`) and its recorded size and sha256, its size
-    checked; CheckpointError naming what is wrong."""
-    path = directory / tag / f"rank{rank}.pt"
-    expected = info["shards"].get(path.name)
-    if expected is None:
-        raise CheckpointError(
-            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
-            "rank of one of them, e.g. --rank 0"
-        )
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
-    size = path.stat().st_size
-    if size != expected["bytes"]:
-        raise size_error(tag, path, size, expected["bytes"])
-    return path, expected
-
-
-def layout(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What the converter needs to name and merge the shards: each optimizer parameter's names in the model's state
-    dict (tied ones: every name, the first kept), and each model tensor that is a DTensor sharded on dim 0 (FSDP2)
-    with its whole shape."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    params = [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
-    sharded = {}
-    for key, t in model.state_dict().items():
-        placements = getattr(t, "placements", None)
-        if placements is not None and local(t) is not t:
-            if len(placements) != 1 or not placements[0].is_shard(0):
-                sharded[key] = None  # a placement the converter does not merge
-            else:
-                sharded[key] = list(t.shape)
-    return {"params": params, "sharded": sharded}
-
-
-class _Rank:
-    """One rank's shard, verified: its model tensors (key, shape, dtype), its optimizer parameters with a master,
-    its parameters' names."""
-
-    def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int) -> None:
-        path, expected = shard_file(directory, tag, info, rank)
-        self.f = open(path, "rb")  # noqa: SIM115 (closed by close())
-        self.where = f"checkpoint {tag!r}, shard {path}"
-        if is_compact(self.f):
-            self.shard: CompactShard | None = CompactShard(self.f, expected, tag, path)
-            self.model = self.shard.model
-            params = self.shard.params
-            self.masters = {i: shape.numel() for i, (shape, dtype, step) in enumerate(params)
-                            if step is not None and dtype != torch.float32}  # fmt: skip
-            self.shapes: list[torch.Size | None] = [shape for shape, _, _ in params]
-            layout = self.shard.head.get("layout")
-        else:
-            self.shard = None
-            found = sha256_of(path)
-            if found != expected["sha256"]:
-                raise hash_error(tag, path, found, expected["sha256"], expected["bytes"])
-            self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-            if not isinstance(self.whole, dict) or not isinstance(self.whole.get("model"), dict):
-                raise CheckpointError(f"{self.where}: it holds no model state dict")
-            self.model = [(key, t.shape, t.dtype) for key, t in self.whole["model"].items()]
-            optimizer = self.whole.get("optimizer") or {}
-            state = optimizer.get("state", {})
-            count = sum(len(g["params"]) for g in optimizer.get("param_groups", []))
-            self.masters = {i: e["master"].numel() for i, e in state.items()
-                            if isinstance(e, dict) and isinstance(e.get("master"), torch.Tensor)}  # fmt: skip
-            self.shapes = [None] * count
-            for i, entry in state.items():
-                if isinstance(entry, dict) and isinstance(entry.get("exp_avg"), torch.Tensor) and i < count:
-                    self.shapes[i] = entry["exp_avg"].shape
-            layout = self.whole.get("layout")
-        self.layout = layout if isinstance(layout, dict) else None
-        self.numel = {key: shape.numel() for key, shape, _ in self.model}
-
-    def names(self) -> list[list[str]]:
-        """Each optimizer parameter's names: from the layout, else paired with the model's tensors in order, by
-        shape (a checkpoint saved before the layout was recorded)."""
-        if self.layout is not None:
-            return [list(names) for names in self.layout["params"]]
-        names: list[list[str]] = []
-        tensors = iter((key, shape) for key, shape, dtype in self.model if dtype.is_floating_point)
-        for shape in self.shapes:
-            for key, model_shape in tensors:
-                if shape is None or model_shape.numel() == shape.numel():
-                    names.append([key])
-                    break
-            else:
-                names.append([])
-        # A tensor paired with no parameter, of the same bytes as one paired: a tied duplicate (an lm_head saved
-        # with the embeddings), written once as with the layout (twice, from_pretrained would not tie them)
-        kinds = {key: (shape, dtype) for key, shape, dtype in self.model}
-        first = {key: i for i, n in enumerate(names) for key in n}
-        rest = [key for key, (_, dtype) in kinds.items() if key not in first and dtype.is_floating_point]
-        pairs = [(key, other) for key in rest for other in first if kinds[other] == kinds[key]]
-        digests = self._digests({k for pair in pairs for k in pair})
-        for key, other in pairs:
-            if key not in names[first[other]] and digests[key] == digests[other]:
-                names[first[other]].append(key)
-        return names
-
-    def _digests(self, keys: set[str]) -> dict[str, str]:
-        """The sha256 of each model tensor of `keys`, read a record (or BATCH elements) at a time."""
-        import hashlib
-
-        digests = {key: hashlib.sha256() for key in keys}
-        if self.shard is None:
-            for key in keys:
-                flat = self.whole["model"][key].reshape(-1)
-                for a in range(0, flat.numel(), BATCH):
-                    digests[key].update(flat[a : a + BATCH].contiguous().view(torch.uint8).numpy())
-        elif keys:
-            for record, payload in self.shard.frames(("model",)):
-                key = self.model[record[1]][0]
-                if key in digests:
-                    digests[key].update(payload.contiguous().view(torch.uint8).numpy())
-        return {key: digest.hexdigest() for key, digest in digests.items()}
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[Out]:
+def _plan(ranks: list[RankShard], dtype: torch.dtype, tag: str) -> list[Out]:
     """The output's tensors, in rank 0's state-dict order, and where each comes from."""
     if len(ranks) > 1 and any(rank.layout is None for rank in ranks):
         raise CheckpointError(
@@ -226,7 +95,7 @@ def _plan(ranks: list[_Rank], dtype: torch.dtype, tag: str) -> list[Out]:
     return outs
 
 
-def _stream(r: int, rank: _Rank, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
+def _stream(r: int, rank: RankShard, outs: list[Out], fds: list[int], tick: Callable[[int], None]) -> None:
     """Writes every piece the output takes from rank `r`'s shard, reading it once, in order; `tick(bytes)` after
     each piece."""
     masters, models = {}, {}
@@ -271,10 +140,10 @@ def consolidate(directory: str | Path, tag: str | None, out_dir: str | Path, dty
     max_bytes = parse_size(max_shard_size)
     directory, out_dir = Path(directory), Path(out_dir)
     tag, info = read_meta(directory, None if tag == "latest" else tag)
-    ranks: list[_Rank] = []
+    ranks: list[RankShard] = []
     try:
         for r in range(info["world_size"]):
-            ranks.append(_Rank(directory, tag, info, r))
+            ranks.append(RankShard(directory, tag, info, r))
         outs = _plan(ranks, dtype, tag)
 
         def fill(fds: list[int], tick: Callable[[int], None]) -> None:

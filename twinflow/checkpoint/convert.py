@@ -52,7 +52,7 @@ from twinflow.checkpoint.checkpoint_files import (
     write_temp,
 )
 from twinflow.checkpoint.compact_checkpoint import CompactShard, decode_record, entry_skeleton, is_compact
-from twinflow.checkpoint.consolidate import shard_file
+from twinflow.checkpoint.rank_shard import shard_file
 from twinflow.checkpoint.safetensors_out import pwrite_all
 
 

@@ -1,7 +1,7 @@
 """The command line of ``python -m twinflow.convert`` (see :mod:`twinflow.checkpoint.convert` for OUT.pt,
 :mod:`twinflow.checkpoint.consolidate` for --safetensors, :mod:`twinflow.checkpoint.portable_adamw` and
-:mod:`twinflow.checkpoint.portable_consolidate` for a portable checkpoint's): which converter a checkpoint goes to,
-by its format."""
+:mod:`twinflow.checkpoint.portable_consolidate` for a portable checkpoint's, :mod:`twinflow.checkpoint.to_portable`
+for --to-portable): which converter a checkpoint goes to, by its format."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from twinflow.checkpoint.portable import holds
 from twinflow.checkpoint.portable_adamw import convert_portable
 from twinflow.checkpoint.portable_consolidate import consolidate_portable
 from twinflow.checkpoint.safetensors_out import parse_size
+from twinflow.checkpoint.to_portable import to_portable
 
 
 def _convert(args: argparse.Namespace, state: Callable[..., Path], weights: Callable[..., list[Path]]) -> int:
@@ -57,9 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-config", metavar="HF_DIR", help="a folder with the model's config.json (e.g. "
                         "from model.config.save_pretrained): copied into --safetensors DIR, so that "
                         "AutoModelForCausalLM.from_pretrained(DIR) works directly")  # fmt: skip
+    parser.add_argument("--to-portable", metavar="OUT_DIR", help="a per-rank checkpoint: rewrite it in the "
+                        "portable format in OUT_DIR (a checkpoint directory), which any number of processes resumes "
+                        "from")  # fmt: skip
+    parser.add_argument("--out-tag", help="--to-portable: the converted checkpoint's tag (default: TAG's)")
     args = parser.parse_args(argv)
-    if args.out is None and args.safetensors is None:
-        parser.error("give OUT.pt, --safetensors DIR, or both")
+    if args.to_portable is not None and (args.out, args.safetensors, args.rank) != (None, None, None):
+        parser.error("--to-portable goes alone: convert the portable checkpoint it writes to OUT.pt or --safetensors")
+    if args.out_tag is not None and args.to_portable is None:
+        parser.error("--out-tag goes with --to-portable OUT_DIR")
+    if args.out is None and args.safetensors is None and args.to_portable is None:
+        parser.error("give OUT.pt, --safetensors DIR (or both), or --to-portable OUT_DIR")
     if args.hf_config is not None and args.safetensors is None:
         parser.error("--hf-config goes with --safetensors DIR")
     try:
@@ -67,7 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--max-shard-size: {exc}")
     try:
-        if not holds(Path(args.directory), None if args.tag == "latest" else args.tag):
+        per_rank = not holds(Path(args.directory), None if args.tag == "latest" else args.tag)
+        if args.to_portable is not None:
+            if not per_rank:
+                print(f"error: {args.directory} {args.tag} is already portable: load it as it is", file=sys.stderr)
+                return 1
+            folder = to_portable(args.directory, args.tag, args.to_portable, args.out_tag, progress=True)
+            print(f"wrote {folder}: a portable checkpoint, which any number of processes resumes from")
+            return 0
+        if per_rank:
             return _convert(args, lambda *where: convert(*where, args.rank or 0), consolidate)
         if args.rank is not None:
             print(f"error: {args.directory} {args.tag} is a portable checkpoint: its OUT.pt is the whole model's "

@@ -151,7 +151,7 @@ def _finish(saving: Path, final: Path, last_write: Any) -> None:
     failures = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
     others = {rank: why for rank, why in failures.items() if why is not None}
     if not others and rank_and_world()[0] == 0:
-        _put_in_place(saving, final)
+        put_in_place(saving, final)
     _barrier()
     if failed is not None:
         raise failed
@@ -208,7 +208,7 @@ def release_kept_copies() -> None:
     _copies.release()
 
 
-def _put_in_place(saving: Path, final: Path) -> None:
+def put_in_place(saving: Path, final: Path) -> None:
     """Rank 0: the written tag renamed into place, then ``latest``. A tag saved again: the old folder becomes
     ``<tag>.old`` first (a load finds it there if the process dies between the two renames), removed at the end."""
     old = final.with_name(final.name + OLD)

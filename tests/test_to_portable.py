@@ -1,0 +1,146 @@
+"""A per-rank checkpoint rewritten in the portable format (twinflow.checkpoint.to_portable, ``python -m
+twinflow.convert CKPT TAG --to-portable OUT``): it resumes the run that saved it exactly on as many processes, and
+on another number of processes as a portable save does; a conversion that fails leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import twinflow
+from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, train
+from tests.test_checkpoint_compat import FIXTURES
+from tests.test_portable_checkpoint import _launch
+from twinflow.checkpoint import CheckpointError, portable, to_portable
+from twinflow.checkpoint.convert_cli import main as convert_main
+
+
+def _engine(precision: str, seed: int):  # noqa: ANN202 (the engine)
+    engine, *_ = twinflow.initialize(model=model(seed=seed), config=config(precision))
+    return engine
+
+
+def _state(engine) -> dict:  # noqa: ANN001
+    """The optimizer's state and the model's weights, copied."""
+    sd = engine.local_optimizer.state_dict()
+    state = {(i, k): v.clone() if isinstance(v, torch.Tensor) else v
+             for i, e in sd["state"].items() for k, v in e.items()}  # fmt: skip
+    return state | {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_converted_checkpoint_resumes_the_run_that_saved_it_exactly(tmp_path, monkeypatch, precision: str) -> None:
+    """One process: the converted checkpoint loads the state and weights of the save bit for bit (compact state:
+    decoded, then encoded again on the same blocks), and the resumed run goes on as the saving run did. Each tensor
+    is written in pieces of a few rows (CHUNK made small), as a model too large for memory is."""
+    monkeypatch.setattr(to_portable, "CHUNK", 100)
+    data = batches()
+    engine = _engine(precision, seed=0)
+    train(engine, data[:BEFORE])
+    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
+    saved = _state(engine)
+    continued = train(engine, data[BEFORE:])
+    assert convert_main([str(tmp_path / "ckpt"), "a", "--to-portable", str(tmp_path / "out")]) == 0
+    folder = tmp_path / "out" / "a"
+    assert portable.holds(tmp_path / "out", None) and (tmp_path / "out" / "latest").read_text() == "a"
+    pieces = dcp_pieces(folder)
+    assert max(pieces.values()) > 1  # the 48 x 24 weights' state went in pieces of rows
+    resumed = _engine(precision, seed=3)
+    path, _ = resumed.load_checkpoint(tmp_path / "out")
+    assert path == folder and resumed.global_steps == engine.global_steps - len(data[BEFORE:]) // 2
+    _equal(_state(resumed), saved)
+    assert train(resumed, data[BEFORE:]) == continued
+
+
+def dcp_pieces(folder: Path) -> dict[str, int]:
+    """How many pieces DCP's metadata in `folder` holds of each tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(folder).read_metadata()
+    return {fqn: len(md.chunks) for fqn, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+
+
+@pytest.mark.parametrize("stage, precision", [(3, "fp32"), (3, "int8_m24"), (1, "fp32"), (0, "int8_m24")])
+def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(tmp_path, stage: int,
+                                                                              precision: str) -> None:  # fmt: skip
+    """FSDP2 (stage 3: each rank's shard holds its rows), ZeRO-1 (each rank the state of its parameters), DDP:
+    merged by the shards' layout. On two ranks the run continues bit for bit; on one as a portable save's does."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    first = _launch(tmp_path, "saved", 2, stage, precision, 0.5, "--save", str(ckpt), "--per-rank")
+    assert (ckpt / "moved" / "rank1.pt").is_file()
+    assert convert_main([str(ckpt), "moved", "--to-portable", str(out)]) == 0
+    again = _launch(tmp_path, "two", 2, stage, precision, 0.5, "--load", str(out))
+    assert again["global_steps"] == len(first["before"])
+    assert again["after"] == first["after"]
+    alone = _launch(tmp_path, "one", 1, stage, precision, 0.5, "--load", str(out))
+    assert alone["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_an_old_per_rank_checkpoint_converted_resumes_the_run_that_wrote_it(tmp_path, precision: str) -> None:
+    """The per-rank checkpoint 1111190 wrote (before the shards recorded their layout) converts, and resumes."""
+    written = FIXTURES["per-rank"]
+    continued = json.loads((written / "continued.json").read_text())["continued"][precision]
+    folder = tmp_path / "old"
+    shutil.copytree(written / precision, folder)
+    to_portable.to_portable(folder, "latest", tmp_path / "out", "converted")
+    engine = _engine(precision, seed=1)
+    path, _ = engine.load_checkpoint(tmp_path / "out")
+    assert path.name == "converted" and (path / ".metadata").is_file() and engine.global_steps == BEFORE // 2
+    assert train(engine, batches()[BEFORE:]) == pytest.approx(continued, rel=1e-4, abs=0)
+
+
+def _saved(tmp_path: Path) -> Path:
+    engine = _engine("int8_m24", seed=0)
+    train(engine, batches()[:BEFORE])
+    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
+    return tmp_path / "ckpt"
+
+
+def test_a_conversion_that_fails_leaves_the_output_as_it_was(tmp_path, monkeypatch) -> None:
+    ckpt, out = _saved(tmp_path), tmp_path / "out"
+    to_portable.to_portable(ckpt, "a", out, "before")
+
+    def broken(*_: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(to_portable, "write_sums", broken)  # the files and DCP's metadata written, the sums not
+    with pytest.raises(OSError, match="disk full"):
+        to_portable.to_portable(ckpt, "a", out, "after")
+    assert sorted(p.name for p in out.iterdir()) == ["before", "latest"]
+    assert (out / "latest").read_text() == "before"
+
+
+def test_a_damaged_shard_is_refused_naming_it_and_nothing_is_written(tmp_path) -> None:
+    ckpt, out = _saved(tmp_path), tmp_path / "out"
+    shard = ckpt / "a" / "rank0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank0.pt"):
+        to_portable.to_portable(ckpt, "a", out)
+    assert not out.exists()
+
+
+def test_the_cli_refuses_a_portable_source_and_an_output_over_its_source(tmp_path, capsys) -> None:
+    ckpt = _saved(tmp_path)
+    assert convert_main([str(ckpt), "a", "--to-portable", str(ckpt)]) == 1
+    assert "its source" in capsys.readouterr().err
+    assert (ckpt / "a" / "rank0.pt").is_file() and not list(ckpt.glob("*.saving"))
+    assert convert_main([str(ckpt), "a", "--to-portable", str(ckpt), "--out-tag", "b"]) == 0
+    assert (ckpt / "latest").read_text() == "b"
+    assert convert_main([str(ckpt), "b", "--to-portable", str(tmp_path / "again")]) == 1
+    assert "already portable" in capsys.readouterr().err

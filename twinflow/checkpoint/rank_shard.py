@@ -1,0 +1,194 @@
+"""One rank's shard of a per-rank checkpoint (:mod:`.checkpoint`), verified and read: in the file's order (its model's
+weights and masters, for :mod:`.consolidate`) or an element range of a tensor at a time (any of its state, for
+:mod:`.to_portable`).
+
+A compact shard (:mod:`.compact_checkpoint`) is verified whole when opened (its sha256, every frame against its
+head) and its records read again as asked: by range, one record is kept decoded-ready (its frame) at a time. A
+torch.save shard is checked against its sha256 and memory-mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinflow.base.distributed import local
+from twinflow.checkpoint.checkpoint_files import CheckpointError, hash_error, sha256_of, size_error
+from twinflow.checkpoint.compact_checkpoint import CompactShard, is_compact
+from twinflow.precision import compact
+from twinflow.precision.compact import BLOCK, blocks
+
+BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
+
+
+def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tuple[Path, dict[str, Any]]:
+    """Rank `rank`'s shard of checkpoint `tag` (its meta.json `info`) and its recorded size and sha256, its size
+    checked; CheckpointError naming what is wrong."""
+    path = directory / tag / f"rank{rank}.pt"
+    expected = info["shards"].get(path.name)
+    if expected is None:
+        raise CheckpointError(
+            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
+            "rank of one of them, e.g. --rank 0"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise size_error(tag, path, size, expected["bytes"])
+    return path, expected
+
+
+def layout(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What the converter needs to name and merge the shards: each optimizer parameter's names in the model's state
+    dict (tied ones: every name, the first kept), and each model tensor that is a DTensor sharded on dim 0 (FSDP2)
+    with its whole shape."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
+    sharded = {}
+    for key, t in model.state_dict().items():
+        placements = getattr(t, "placements", None)
+        if placements is not None and local(t) is not t:
+            if len(placements) != 1 or not placements[0].is_shard(0):
+                sharded[key] = None  # a placement the converter does not merge
+            else:
+                sharded[key] = list(t.shape)
+    return {"params": params, "sharded": sharded}
+
+
+class RankShard:
+    """One rank's shard, verified: its model tensors (key, shape, dtype), its optimizer parameters' state (`state`:
+    index -> {key: shape}; `steps`), those with a master, its parameters' names, its param groups (parameters by
+    index), scheduler and extra state."""
+
+    def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int) -> None:
+        path, expected = shard_file(directory, tag, info, rank)
+        self.f = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self.where = f"checkpoint {tag!r}, shard {path}"
+        if is_compact(self.f):
+            self.shard: CompactShard | None = CompactShard(self.f, expected, tag, path)
+            self.model = self.shard.model
+            params = self.shard.params
+            self.masters = {i: shape.numel() for i, (shape, dtype, step) in enumerate(params)
+                            if step is not None and dtype != torch.float32}  # fmt: skip
+            self.shapes: list[torch.Size | None] = [shape for shape, _, _ in params]
+            layout = self.shard.head.get("layout")
+            keys = ("exp_avg", "exp_avg_sq", "master")
+            self.state = {i: {key: shape for key in keys[: 2 + (dtype != torch.float32)]}
+                          for i, (shape, dtype, step) in enumerate(params) if step is not None}  # fmt: skip
+            self.steps = {i: float(step) for i, (_, _, step) in enumerate(params) if step is not None}
+            self.groups, self.scheduler, self.extra = (
+                self.shard.head["param_groups"],
+                self.shard.scheduler,
+                self.shard.extra,
+            )
+            self.spans: dict[tuple[str, int], list[tuple[int, list]]] = {}  # a tensor's records: (frame, record)
+            for n, record in enumerate(self.shard.records):
+                self.spans.setdefault((record[0], record[1]), []).append((n, record))
+            self.cached: tuple[int, Any] = (-1, None)  # the last frame read by range
+        else:
+            self.shard = None
+            found = sha256_of(path)
+            if found != expected["sha256"]:
+                raise hash_error(tag, path, found, expected["sha256"], expected["bytes"])
+            self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            if not isinstance(self.whole, dict) or not isinstance(self.whole.get("model"), dict):
+                raise CheckpointError(f"{self.where}: it holds no model state dict")
+            self.model = [(key, t.shape, t.dtype) for key, t in self.whole["model"].items()]
+            optimizer = self.whole.get("optimizer") or {}
+            state = optimizer.get("state", {})
+            count = sum(len(g["params"]) for g in optimizer.get("param_groups", []))
+            self.masters = {i: e["master"].numel() for i, e in state.items()
+                            if isinstance(e, dict) and isinstance(e.get("master"), torch.Tensor)}  # fmt: skip
+            self.shapes = [None] * count
+            for i, entry in state.items():
+                if isinstance(entry, dict) and isinstance(entry.get("exp_avg"), torch.Tensor) and i < count:
+                    self.shapes[i] = entry["exp_avg"].shape
+            layout = self.whole.get("layout")
+            entries = {i: e for i, e in state.items() if isinstance(e, dict) and "step" in e}
+            self.state = {i: {k: v.shape for k, v in e.items() if isinstance(v, torch.Tensor) and k != "step"}
+                          for i, e in entries.items()}  # fmt: skip
+            self.steps = {i: float(e["step"]) for i, e in entries.items()}
+            self.groups = optimizer.get("param_groups", [])
+            self.scheduler, self.extra = self.whole.get("scheduler"), self.whole.get("extra")
+        self.layout = layout if isinstance(layout, dict) else None
+        self.numel = {key: shape.numel() for key, shape, _ in self.model}
+
+    def names(self) -> list[list[str]]:
+        """Each optimizer parameter's names: from the layout, else paired with the model's tensors in order, by
+        shape (a checkpoint saved before the layout was recorded)."""
+        if self.layout is not None:
+            return [list(names) for names in self.layout["params"]]
+        names: list[list[str]] = []
+        tensors = iter((key, shape) for key, shape, dtype in self.model if dtype.is_floating_point)
+        for shape in self.shapes:
+            for key, model_shape in tensors:
+                if shape is None or model_shape.numel() == shape.numel():
+                    names.append([key])
+                    break
+            else:
+                names.append([])
+        # A tensor paired with no parameter, of the same bytes as one paired: a tied duplicate (an lm_head saved
+        # with the embeddings), written once as with the layout (twice, from_pretrained would not tie them)
+        kinds = {key: (shape, dtype) for key, shape, dtype in self.model}
+        first = {key: i for i, n in enumerate(names) for key in n}
+        rest = [key for key, (_, dtype) in kinds.items() if key not in first and dtype.is_floating_point]
+        pairs = [(key, other) for key in rest for other in first if kinds[other] == kinds[key]]
+        digests = self._digests({k for pair in pairs for k in pair})
+        for key, other in pairs:
+            if key not in names[first[other]] and digests[key] == digests[other]:
+                names[first[other]].append(key)
+        return names
+
+    def _digests(self, keys: set[str]) -> dict[str, str]:
+        """The sha256 of each model tensor of `keys`, read a record (or BATCH elements) at a time."""
+        digests = {key: hashlib.sha256() for key in keys}
+        if self.shard is None:
+            for key in keys:
+                flat = self.whole["model"][key].reshape(-1)
+                for a in range(0, flat.numel(), BATCH):
+                    digests[key].update(flat[a : a + BATCH].contiguous().view(torch.uint8).numpy())
+        elif keys:
+            for record, payload in self.shard.frames(("model",)):
+                key = self.model[record[1]][0]
+                if key in digests:
+                    digests[key].update(payload.contiguous().view(torch.uint8).numpy())
+        return {key: digest.hexdigest() for key, digest in digests.items()}
+
+    def values(self, kind: str, ref: int | str, key: str | None, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a tensor, flat: model tensor `ref` (kind "model", its key; `key` None) in its dtype,
+        or optimizer parameter `ref`'s state `key` (kind "state") in float32 (compact moments decoded with their
+        blocks' scales, a 24-bit master decoded exactly)."""
+        if self.shard is None:
+            whole = self.whole["model"][ref] if kind == "model" else self.whole["optimizer"]["state"][ref][key]
+            values = whole.reshape(-1)[a:b]
+            return values if kind == "model" else values.to(torch.float32)
+        k = next(k for k, (name, _, _) in enumerate(self.model) if name == ref) if kind == "model" else ref
+        pieces = []
+        for n, record in self.spans.get((kind, k), []):
+            lo, hi = max(a, record[2]), min(b, record[3])
+            if lo < hi:
+                pieces.append(self._decoded(n, record, key, lo - record[2], hi - record[2]))
+        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+    def _decoded(self, n: int, record: list, key: str | None, x: int, y: int) -> torch.Tensor:
+        """Elements [x, y) of record n (read once for the keys asked of it one after the other), `key` decoded."""
+        if self.cached[0] != n:
+            self.cached = (n, self.shard.frame(n))
+        payload = self.cached[1]
+        if record[0] == "model":
+            return payload[x:y]
+        if key == "master":
+            return compact.decode_master(payload[4][x:y], payload[5][x:y]) if record[4] == "m24" else payload[4][x:y]
+        x0 = x // BLOCK * BLOCK  # codes from their block's start, each with its block's scale
+        codes, scales = (payload[0], payload[1]) if key == "exp_avg" else (payload[2], payload[3])
+        decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
+        return decode(codes[x0:y], scales[x0 // BLOCK : blocks(y)])[x - x0 :]
+
+    def close(self) -> None:
+        self.f.close()
