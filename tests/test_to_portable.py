@@ -58,9 +58,40 @@ def test_a_converted_checkpoint_resumes_the_run_that_saved_it_exactly(tmp_path, 
     assert portable.holds(tmp_path / "out", None) and (tmp_path / "out" / "latest").read_text() == "a"
     pieces = dcp_pieces(folder)
     assert max(pieces.values()) > 1  # the 48 x 24 weights' state went in pieces of rows
+    keys = torch.load(folder / "twinflow.pt", weights_only=True)["state_keys"]
+    assert all(("exp_avg.codes" in k) == (precision != "fp32") for k in keys.values())  # compact: as kept
     resumed = _engine(precision, seed=3)
     path, _ = resumed.load_checkpoint(tmp_path / "out")
     assert path == folder and resumed.global_steps == engine.global_steps - len(data[BEFORE:]) // 2
+    _equal(_state(resumed), saved)
+    assert train(resumed, data[BEFORE:]) == continued
+
+
+def _train_bf16(engine, data: list) -> list[float]:  # noqa: ANN001
+    losses = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_24_bit_masters_go_as_kept_and_come_back_bit_for_bit(tmp_path) -> None:
+    """bf16 weights with int8_m24 state: each master is written as its two parts (5 bytes a parameter with the
+    codes, as a portable save writes it), and the resumed run goes on exactly."""
+    data, train = batches(), _train_bf16
+    settings = config("int8_m24") | {"bf16": {"enabled": True}}
+    engine, *_ = twinflow.initialize(model=model(seed=0), config=settings)
+    train(engine, data[:BEFORE])
+    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
+    saved = _state(engine)
+    continued = train(engine, data[BEFORE:])
+    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    keys = torch.load(tmp_path / "out" / "a" / "twinflow.pt", weights_only=True)["state_keys"]
+    assert all({"master.hi", "master.lo", "exp_avg.codes", "exp_avg_sq.scales"} <= set(k) for k in keys.values())
+    resumed, *_ = twinflow.initialize(model=model(seed=3), config=settings)
+    resumed.load_checkpoint(tmp_path / "out")
     _equal(_state(resumed), saved)
     assert train(resumed, data[BEFORE:]) == continued
 
@@ -82,6 +113,10 @@ def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(t
     first = _launch(tmp_path, "saved", 2, stage, precision, 0.5, "--save", str(ckpt), "--per-rank")
     assert (ckpt / "moved" / "rank1.pt").is_file()
     assert convert_main([str(ckpt), "moved", "--to-portable", str(out)]) == 0
+    keys = torch.load(out / "moved" / "twinflow.pt", weights_only=True)["state_keys"]
+    # compact moments go as kept where every rank's piece starts on a block: whole parameters (DDP, ZeRO-1), not
+    # FSDP2's rows of this 48-wide model (rank 1's start 1152 elements in, half a block)
+    assert any("exp_avg.codes" in k for k in keys.values()) == (precision == "int8_m24" and stage != 3)
     again = _launch(tmp_path, "two", 2, stage, precision, 0.5, "--load", str(out))
     assert again["global_steps"] == len(first["before"])
     assert again["after"] == first["after"]

@@ -18,9 +18,12 @@ import torch
 from twinflow.base.distributed import local
 from twinflow.checkpoint.checkpoint_files import CheckpointError, hash_error, sha256_of, size_error
 from twinflow.checkpoint.compact_checkpoint import CompactShard, is_compact
+from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
 from twinflow.precision import compact
 from twinflow.precision.compact import BLOCK, blocks
 
+# A compact record's parts by the portable format's keys: each moment's codes and block scales, a 24-bit master's two
+RAW = {key_of(m, w): 2 * n + (w == SCALES) for n, m in enumerate(MOMENTS) for w in (CODES, SCALES)} | {HI: 4, LO: 5}
 BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
 
 
@@ -162,19 +165,26 @@ class RankShard:
 
     def values(self, kind: str, ref: int | str, key: str | None, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of a tensor, flat: model tensor `ref` (kind "model", its key; `key` None) in its dtype,
-        or optimizer parameter `ref`'s state `key` (kind "state") in float32 (compact moments decoded with their
-        blocks' scales, a 24-bit master decoded exactly)."""
+        or optimizer parameter `ref`'s state `key` (kind "state"): a moment or master in float32 (compact moments
+        decoded with their blocks' scales, a 24-bit master decoded exactly), or, of a compact shard, a part as
+        kept (:data:`RAW`; a moment's scales counted in blocks)."""
         if self.shard is None:
             whole = self.whole["model"][ref] if kind == "model" else self.whole["optimizer"]["state"][ref][key]
             values = whole.reshape(-1)[a:b]
             return values if kind == "model" else values.to(torch.float32)
         k = next(k for k, (name, _, _) in enumerate(self.model) if name == ref) if kind == "model" else ref
+        in_blocks = key is not None and key.endswith(f".{SCALES}")
         pieces = []
         for n, record in self.spans.get((kind, k), []):
-            lo, hi = max(a, record[2]), min(b, record[3])
+            start, end = (record[2] // BLOCK, blocks(record[3])) if in_blocks else (record[2], record[3])
+            lo, hi = max(a, start), min(b, end)
             if lo < hi:
-                pieces.append(self._decoded(n, record, key, lo - record[2], hi - record[2]))
+                pieces.append(self._decoded(n, record, key, lo - start, hi - start))
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+    def forms(self, i: int) -> set[str]:
+        """The forms of optimizer parameter i's master in its records (a compact shard's)."""
+        return {record[4] for _, record in self.spans.get(("state", i), [])}
 
     def _decoded(self, n: int, record: list, key: str | None, x: int, y: int) -> torch.Tensor:
         """Elements [x, y) of record n (read once for the keys asked of it one after the other), `key` decoded."""
@@ -183,6 +193,8 @@ class RankShard:
         payload = self.cached[1]
         if record[0] == "model":
             return payload[x:y]
+        if key in RAW:
+            return payload[RAW[key]][x:y]
         if key == "master":
             return compact.decode_master(payload[4][x:y], payload[5][x:y]) if record[4] == "m24" else payload[4][x:y]
         x0 = x // BLOCK * BLOCK  # codes from their block's start, each with its block's scale

@@ -12,10 +12,11 @@ the caller's meta; ``latest`` in OUT_DIR then names NEW. The engine's ``load_che
 - **Ranks are merged** by the layout the shards record (:mod:`.consolidate`'s): a tensor FSDP2 sharded on dim 0
   is its ranks' pieces in rank order; under ZeRO-1 a parameter's state comes from the rank whose optimizer holds
   it; under DDP from rank 0.
-- **The state is written in float32**: compact moments decoded with their blocks' scales, a 24-bit master decoded
-  exactly. A load into compact state encodes them again to the nearest code: a block that is the same block
-  after the load gets its codes and scale back bit for bit (one process, DDP, ZeRO-1; FSDP2 where a shard starts
-  on a block); a block cut otherwise is re-encoded, as a load from a portable save is. fp32 state is exact.
+- **Compact state is written as kept** (:mod:`.portable_codes`: each moment's codes and block scales, a 24-bit
+  master's two parts) where every rank's piece of a parameter starts on a block (one process, DDP, ZeRO-1, FSDP2
+  where a shard starts on a multiple of ``BLOCK``), else decoded to float32 (a 24-bit master exactly): a load
+  encodes it again to the nearest code, and a block that is the same block after the load gets its codes and
+  scale back bit for bit. fp32 state is exact.
 - **Bounded memory**: each tensor is written in pieces of whole rows of at most :data:`.portable_load.CHUNK`
   elements (DCP saves a tensor as its pieces), each read from the shards when DCP writes it; a compact shard's
   records are read by their offsets. The host holds one piece and one record.
@@ -38,10 +39,12 @@ from twinflow.base.notice import notice
 from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint.checkpoint_files import PORTABLE_INFO, CheckpointError, read_meta, save_to_stream, write_atomic
 from twinflow.checkpoint.portable import SAVING, dcp, put_in_place
+from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
 from twinflow.checkpoint.portable_load import CHUNK
 from twinflow.checkpoint.portable_state import MODEL, OPTIM
 from twinflow.checkpoint.portable_sums import write_sums
 from twinflow.checkpoint.rank_shard import RankShard
+from twinflow.precision.compact import BLOCK, blocks
 from twinflow.version import __version__
 
 try:
@@ -148,6 +151,7 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
         first = next(n[0] for names in every for n in names if n and n[-1] == name)
         r0 = min(index)
         keys = sorted(ranks[r0].state[index[r0]])
+        entry = {}
         for key in keys:
             pieces = _pieces(ranks, first, sharded, _State(ranks, index, key))
             whole = list(sharded.get(first) or ranks[r0].state[index[r0]][key])
@@ -155,9 +159,12 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
             if held != math.prod(whole):
                 raise CheckpointError(f"checkpoint {tag!r}: the ranks' pieces of {name!r}'s {key!r} hold {held} "
                                       f"elements, its shape {whole} {math.prod(whole)}")  # fmt: skip
-            out[f"{OPTIM}.{name}.{key}"] = Logical(whole, torch.float32, pieces)
+            entry[key] = Logical(whole, torch.float32, pieces)
+        if all(ranks[r].shard is not None for r in index) and all(p[4] % BLOCK == 0 for p in entry["exp_avg"].pieces):
+            entry = _as_kept(entry, set().union(*(ranks[r].forms(i) for r, i in index.items())) == {"m24"})
+        out |= {f"{OPTIM}.{name}.{key}": t for key, t in entry.items()}
         out[f"{OPTIM}.{name}.step"] = torch.tensor(ranks[r0].steps[index[r0]])
-        state_keys[name] = sorted([*keys, "step"])
+        state_keys[name] = sorted([*entry, "step"])
     groups = []
     for g, group in enumerate(ranks[0].groups):
         names: list[str] = []
@@ -171,6 +178,28 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
             "state_keys": state_keys, "scheduler": ranks[0].scheduler, "extra": ranks[0].extra, "sums": True,
             "tied": tied, "model_keys": [key for key, _, _ in ranks[0].model]}  # fmt: skip
     return out, info
+
+
+def _as_kept(entry: dict[str, Logical], m24: bool) -> dict[str, Logical]:
+    """A compact parameter's state (its moments and master decoded, in `entry`) as kept instead: each moment's
+    codes and block scales, and a master that is 24-bit on every rank (`m24`) as its two parts; every piece
+    starts on a block, so the scales of each piece are its blocks of the whole."""
+
+    def parts(t: Logical, key: str, dtype: torch.dtype, scales: bool = False) -> Logical:
+        if scales:
+            pieces = [(r, kind, i, key, first // BLOCK, blocks(n)) for r, kind, i, _, first, n in t.pieces]
+            return Logical([blocks(math.prod(t.shape))], dtype, pieces)
+        return Logical(t.shape, dtype, [(r, kind, i, key, first, n) for r, kind, i, _, first, n in t.pieces])
+
+    out = {}
+    for moment, dtype in MOMENTS.items():
+        out[key_of(moment, CODES)] = parts(entry[moment], key_of(moment, CODES), dtype)
+        out[key_of(moment, SCALES)] = parts(entry[moment], key_of(moment, SCALES), torch.uint8, scales=True)
+    if "master" in entry and m24:
+        out |= {HI: parts(entry["master"], HI, torch.bfloat16), LO: parts(entry["master"], LO, torch.uint8)}
+    elif "master" in entry:
+        out["master"] = entry["master"]
+    return out
 
 
 def _rows(shape: list[int]) -> list[tuple[list[int], list[int]]]:
