@@ -5,6 +5,8 @@
 #   bash benchmarks/run_resume_round.sh save N MODEL [CONFIG]   # N ranks: BEFORE steps, the save, AFTER steps
 #   bash benchmarks/run_resume_round.sh load M MODEL [CONFIG]   # M ranks: the load, the same AFTER steps, compared
 #   bash benchmarks/run_resume_round.sh async N MODEL [CONFIG]  # N ranks, a fresh checkpoint saved asynchronously
+#   bash benchmarks/run_resume_round.sh convert N MODEL         # the saved (PER_RANK=1) checkpoint made portable,
+#                                                               # timed (measure_to_portable.py); a load then reads it
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
 # load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
@@ -46,6 +48,14 @@ save | async)
     cp "$OUT/$name.json" "$ck/saved.json" 2>/dev/null
     du -sh "$ck/ckpt" 2>/dev/null
     ;;
+convert)
+    [ -d "$ck/ckpt" ] || { echo "no checkpoint in $ck: the machine was given back since the save" >&2; exit 3; }
+    timeout "$limit" python benchmarks/measure_to_portable.py --ckpt "$ck/ckpt" --out-dir "$ck/conv" \
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    rc=$?
+    du -sh "$ck/ckpt" "$ck/conv" 2>/dev/null
+    [ "$rc" = 0 ] && rm -rf "$ck/ckpt" && mv "$ck/conv" "$ck/ckpt"  # the load that follows reads the converted one
+    ;;
 load)
     [ -f "$ck/saved.json" ] || { echo "no saved run in $ck: the machine was given back since the save" >&2; exit 3; }
     $run --ckpt "$ck/ckpt" --load --after "$steps" --reference "$ck/saved.json" --out "$OUT/$name.json" \
@@ -53,7 +63,7 @@ load)
     rc=$?
     ;;
 *)
-    echo "unknown part '$what'; expected save, load, async or tests" >&2
+    echo "unknown part '$what'; expected save, convert, load, async or tests" >&2
     exit 2
     ;;
 esac
