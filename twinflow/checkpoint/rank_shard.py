@@ -9,6 +9,7 @@ torch.save shard is checked against its sha256 and memory-mapped.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from twinflow.precision.compact import BLOCK, blocks
 
 # A compact record's parts by the portable format's keys: each moment's codes and block scales, a 24-bit master's two
 RAW = {key_of(m, w): 2 * n + (w == SCALES) for n, m in enumerate(MOMENTS) for w in (CODES, SCALES)} | {HI: 4, LO: 5}
+SCALE_SLOTS = {key_of(m, SCALES): n for n, m in enumerate(MOMENTS)}  # a moment's scales in kept_scales
+CACHE_BYTES = 1 << 29  # frames kept for the next reads by range (a piece's several keys read from the same ones)
 BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
 
 
@@ -93,7 +96,8 @@ class RankShard:
             self.spans: dict[tuple[str, int], list[tuple[int, list]]] = {}  # a tensor's records: (frame, record)
             for n, record in enumerate(self.shard.records):
                 self.spans.setdefault((record[0], record[1]), []).append((n, record))
-            self.cached: tuple[int, Any] = (-1, None)  # the last frame read by range
+            self.cached: collections.OrderedDict[int, Any] = collections.OrderedDict()  # frames read by range
+            self.kept_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # every state frame's, once read
         else:
             self.shard = None
             found = sha256_of(path)
@@ -188,9 +192,9 @@ class RankShard:
 
     def _decoded(self, n: int, record: list, key: str | None, x: int, y: int) -> torch.Tensor:
         """Elements [x, y) of record n (read once for the keys asked of it one after the other), `key` decoded."""
-        if self.cached[0] != n:
-            self.cached = (n, self.shard.frame(n))
-        payload = self.cached[1]
+        if key in SCALE_SLOTS and n in self.kept_scales:  # 1/256 of a record: kept, not read again
+            return self.kept_scales[n][SCALE_SLOTS[key]][x:y]
+        payload = self._frame(n)
         if record[0] == "model":
             return payload[x:y]
         if key in RAW:
@@ -201,6 +205,20 @@ class RankShard:
         codes, scales = (payload[0], payload[1]) if key == "exp_avg" else (payload[2], payload[3])
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
         return decode(codes[x0:y], scales[x0 // BLOCK : blocks(y)])[x - x0 :]
+
+    def _frame(self, n: int) -> Any:
+        """Frame n's object: from the frames kept (the last read, up to :data:`CACHE_BYTES`), else read."""
+        if n in self.cached:
+            self.cached.move_to_end(n)
+            return self.cached[n]
+        payload = self.shard.frame(n)
+        self.cached[n] = payload
+        if isinstance(payload, list):
+            self.kept_scales[n] = (payload[1], payload[3])
+        size = lambda frame: sum(t.nbytes for t in frame) if isinstance(frame, list) else frame.nbytes  # noqa: E731
+        while len(self.cached) > 1 and sum(size(frame) for frame in self.cached.values()) > CACHE_BYTES:
+            self.cached.popitem(last=False)
+        return payload
 
     def close(self) -> None:
         self.f.close()

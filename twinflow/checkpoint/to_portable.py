@@ -126,8 +126,9 @@ class _State:
 
 
 def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The output's tensors (DCP's keys -> :class:`Logical`, or a step's tensor) and its ``twinflow.pt`` entries
-    but the caller's meta; CheckpointError naming what does not fit."""
+    """The output's tensors, nested as a portable save's state dict (``{"model": {key: t}, "optim": {name: {key:
+    t}}}``, each t a :class:`Logical` or a step's tensor), and its ``twinflow.pt`` entries but the caller's meta;
+    CheckpointError naming what does not fit."""
     if len(ranks) > 1 and any(rank.layout is None for rank in ranks):
         raise CheckpointError(f"checkpoint {tag!r} was saved by {len(ranks)} ranks before twinflow recorded the "
                               "shards' layout: resume it on as many ranks and save it again")  # fmt: skip
@@ -136,10 +137,10 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
     if odd:
         raise CheckpointError(f"checkpoint {tag!r}: {odd[0]!r} is a DTensor sharded other than on dim 0 by one mesh "
                               "dimension, which this converter does not merge")  # fmt: skip
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {MODEL: {}, OPTIM: {}}
     for key, shape, dtype in ranks[0].model:
         whole = list(sharded.get(key) or shape)
-        out[f"{MODEL}.{key}"] = Logical(whole, dtype, _pieces(ranks, key, sharded, _Model(ranks, key)))
+        out[MODEL][key] = Logical(whole, dtype, _pieces(ranks, key, sharded, _Model(ranks, key)))
     holders: dict[str, dict[int, int]] = {}  # a parameter's name (its last, as a portable save names it) -> rank: i
     every = [rank.names() for rank in ranks]
     for r, names in enumerate(every):
@@ -162,8 +163,7 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
             entry[key] = Logical(whole, torch.float32, pieces)
         if all(ranks[r].shard is not None for r in index) and all(p[4] % BLOCK == 0 for p in entry["exp_avg"].pieces):
             entry = _as_kept(entry, set().union(*(ranks[r].forms(i) for r, i in index.items())) == {"m24"})
-        out |= {f"{OPTIM}.{name}.{key}": t for key, t in entry.items()}
-        out[f"{OPTIM}.{name}.step"] = torch.tensor(ranks[r0].steps[index[r0]])
+        out[OPTIM][name] = entry | {"step": torch.tensor(ranks[r0].steps[index[r0]])}
         state_keys[name] = sorted([*entry, "step"])
     groups = []
     for g, group in enumerate(ranks[0].groups):
@@ -215,10 +215,11 @@ class _Planner(DefaultSavePlanner):
     """DCP's default save planner over placeholders, with each :class:`Logical` written as its pieces of rows, each
     read from the shards when DCP writes it."""
 
-    def __init__(self, ranks: list[RankShard], logical: dict[str, Logical], progress: bool) -> None:
+    def __init__(self, ranks: list[RankShard], logical: dict[str, tuple[tuple, Logical]], progress: bool) -> None:
         super().__init__()
-        self.ranks, self.logical = ranks, logical
-        total = sum(math.prod(t.shape) * t.dtype.itemsize for t in logical.values())
+        self.ranks, self.order = ranks, {fqn: order for fqn, (order, _) in logical.items()}
+        self.logical = {fqn: t for fqn, (_, t) in logical.items()}
+        total = sum(math.prod(t.shape) * t.dtype.itemsize for t in self.logical.values())
         self.meter = shown(total, "converting to the portable format", True) if progress else NoProgress()
 
     def create_local_plan(self) -> Any:
@@ -226,14 +227,15 @@ class _Planner(DefaultSavePlanner):
         items = []
         for item in plan.items:
             if item.index.fqn not in self.logical:
-                items.append(item)
+                items.append(((2,), item))  # the steps, after the rest
                 continue
             for offsets, sizes in _rows(self.logical[item.index.fqn].shape):
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                 data = TensorWriteData(chunk=chunk, properties=item.tensor_data.properties, size=item.tensor_data.size)
                 index = MetadataIndex(item.index.fqn, torch.Size(offsets))
-                items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
-        self.plan = dataclasses.replace(plan, items=items)
+                item_of_rows = WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data)
+                items.append(((*self.order[item.index.fqn], offsets[0] if offsets else 0), item_of_rows))
+        self.plan = dataclasses.replace(plan, items=[item for _, item in sorted(items, key=lambda pair: pair[0])])
         return self.plan
 
     def resolve_data(self, write_item: Any) -> Any:
@@ -248,19 +250,26 @@ class _Planner(DefaultSavePlanner):
         return values
 
 
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """The state dict DCP saves: `flat`'s keys as the nested dict a portable save flattens to them, each
-    :class:`Logical` a tensor of its shape over no memory (the planner reads the elements)."""
-    out: dict[str, Any] = {MODEL: {}, OPTIM: {}}
-    for fqn, value in flat.items():
-        if isinstance(value, Logical):
-            value = torch.empty((), dtype=value.dtype).expand(value.shape)  # noqa: PLW2901
-        if fqn.startswith(f"{MODEL}."):
-            out[MODEL][fqn[len(MODEL) + 1 :]] = value
-        else:
-            name, key = fqn[len(OPTIM) + 1 :].rsplit(".", 1)
-            out[OPTIM].setdefault(name, {})[key] = value
+def _flat(state: dict[str, Any]) -> dict[str, tuple[tuple, Logical]]:
+    """Each :class:`Logical` of the nested `state` by DCP's key (its path joined by dots, as DCP flattens it), with
+    where its pieces go in the write (:meth:`_Planner.create_local_plan`): the model's first; then each parameter's
+    state, its keys' pieces of the same rows one after another (the records a piece lies in are read once for all
+    of its keys), its moments' block scales last (kept from those reads)."""
+    out = {f"{MODEL}.{key}": ((0, n, 0), t) for n, (key, t) in enumerate(state[MODEL].items())}
+    for n, (name, entry) in enumerate(state[OPTIM].items()):
+        out |= {f"{OPTIM}.{name}.{key}": ((1, n, key.endswith(f".{SCALES}")), t)
+                for key, t in entry.items() if isinstance(t, Logical)}  # fmt: skip
     return out
+
+
+def _placeholders(state: dict[str, Any]) -> dict[str, Any]:
+    """The nested `state` with each :class:`Logical` a tensor of its shape over no memory (the planner reads it)."""
+
+    def placeholder(t: Any) -> Any:
+        return torch.empty((), dtype=t.dtype).expand(t.shape) if isinstance(t, Logical) else t
+
+    return {MODEL: {k: placeholder(t) for k, t in state[MODEL].items()},
+            OPTIM: {name: {k: placeholder(t) for k, t in e.items()} for name, e in state[OPTIM].items()}}  # fmt: skip
 
 
 def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out_tag: str | None = None,
@@ -279,17 +288,16 @@ def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out
     try:
         for r in range(info["world_size"]):
             ranks.append(RankShard(directory, tag, info, r))
-        flat, entries = plan(ranks, tag)
+        state, entries = plan(ranks, tag)
         entries.update(meta=info.get("meta"), converted_from={"tag": tag, "world_size": info["world_size"]})
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(saving, ignore_errors=True)
         saving.mkdir()
         try:
             write_atomic(saving / PORTABLE_INFO, lambda f: save_to_stream(entries, f))
-            logical = {fqn: t for fqn, t in flat.items() if isinstance(t, Logical)}
-            planner = _Planner(ranks, logical, progress)
+            planner = _Planner(ranks, _flat(state), progress)
             writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
-            dcp.save(_nested(flat), checkpoint_id=saving, storage_writer=writer, planner=planner, no_dist=True)
+            dcp.save(_placeholders(state), checkpoint_id=saving, storage_writer=writer, planner=planner, no_dist=True)
             planner.meter.close()
             write_sums(saving, 0, 1)
             put_in_place(saving, final)
