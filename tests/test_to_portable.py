@@ -4,6 +4,8 @@ on another number of processes as a portable save does; a conversion that fails 
 
 from __future__ import annotations
 
+import collections
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +17,16 @@ import twinflow
 from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, train
 from tests.test_checkpoint_compat import FIXTURES
 from tests.test_portable_checkpoint import _launch
-from twinflow.checkpoint import CheckpointError, portable, to_portable
+from twinflow import TwinFlowAdam
+from twinflow.checkpoint import (
+    CheckpointError,
+    compact_checkpoint,
+    load_portable,
+    portable,
+    rank_shard,
+    save_checkpoint,
+    to_portable,
+)
 from twinflow.checkpoint.convert_cli import main as convert_main
 
 
@@ -143,6 +154,42 @@ def _saved(tmp_path: Path) -> Path:
     train(engine, batches()[:BEFORE])
     engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
     return tmp_path / "ckpt"
+
+
+def test_each_record_is_read_once_for_all_its_keys_and_no_scales_stay_kept(tmp_path, monkeypatch) -> None:
+    """A parameter's keys are written a piece of rows after another, its scales last: each compact record is read
+    from the shard once (not once a key), keeping no more than the two records a piece lies in, and the scales
+    kept from the records are let go as each parameter is written (nothing grows with the model)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.GELU(), torch.nn.Linear(48, 24))
+    opt = TwinFlowAdam(net.parameters(), ratio=0.5, state_precision="int8_m24", chunk_bytes=256)  # records of 256
+    for _ in range(2):
+        net(torch.randn(4, 48)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
+    monkeypatch.setattr(to_portable, "CHUNK", 100)  # pieces of two rows, smaller than a record
+    monkeypatch.setattr(rank_shard, "CACHE_BYTES", 0)  # only the two records a piece lies in kept
+    reads, kept = collections.Counter(), []
+    frame, close = compact_checkpoint.CompactShard.frame, rank_shard.RankShard.close
+
+    def counted(self, n: int):  # noqa: ANN001, ANN202
+        reads[n] += 1
+        return frame(self, n)
+
+    def closing(self) -> None:  # noqa: ANN001
+        kept.append(len(self.kept_scales))
+        close(self)
+
+    monkeypatch.setattr(compact_checkpoint.CompactShard, "frame", counted)
+    monkeypatch.setattr(rank_shard.RankShard, "close", closing)
+    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    assert len(reads) > 12 and max(reads.values()) == 1 and kept == [0]  # 2304 + 1152 elements: 14 state records
+    resumed = copy.deepcopy(net)
+    again = TwinFlowAdam(resumed.parameters(), ratio=0.5, state_precision="int8_m24", chunk_bytes=256)
+    load_portable(tmp_path / "out", model=resumed, optimizer=again)
+    for saved, loaded in zip(opt.state_dict()["state"].values(), again.state_dict()["state"].values(), strict=True):
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
 def test_a_conversion_that_fails_leaves_the_output_as_it_was(tmp_path, monkeypatch) -> None:

@@ -206,8 +206,14 @@ class RankShard:
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
         return decode(codes[x0:y], scales[x0 // BLOCK : blocks(y)])[x - x0 :]
 
+    def forget_scales(self, i: int) -> None:
+        """Lets go of the scales kept from optimizer parameter i's records (its state is written)."""
+        for n, _ in self.spans.get(("state", i), []) if self.shard is not None else ():
+            self.kept_scales.pop(n, None)
+
     def _frame(self, n: int) -> Any:
-        """Frame n's object: from the frames kept (the last read, up to :data:`CACHE_BYTES`), else read."""
+        """Frame n's object: from the frames kept (the last read: two, and more up to :data:`CACHE_BYTES`), else
+        read."""
         if n in self.cached:
             self.cached.move_to_end(n)
             return self.cached[n]
@@ -216,7 +222,7 @@ class RankShard:
         if isinstance(payload, list):
             self.kept_scales[n] = (payload[1], payload[3])
         size = lambda frame: sum(t.nbytes for t in frame) if isinstance(frame, list) else frame.nbytes  # noqa: E731
-        while len(self.cached) > 1 and sum(size(frame) for frame in self.cached.values()) > CACHE_BYTES:
+        while len(self.cached) > 2 and sum(size(frame) for frame in self.cached.values()) > CACHE_BYTES:
             self.cached.popitem(last=False)
         return payload
 

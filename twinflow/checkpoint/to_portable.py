@@ -19,7 +19,9 @@ the caller's meta; ``latest`` in OUT_DIR then names NEW. The engine's ``load_che
   scale back bit for bit. fp32 state is exact.
 - **Bounded memory**: each tensor is written in pieces of whole rows of at most :data:`.portable_load.CHUNK`
   elements (DCP saves a tensor as its pieces), each read from the shards when DCP writes it; a compact shard's
-  records are read by their offsets. The host holds one piece and one record.
+  records are read by their offsets, a parameter's keys a piece after another, so that each record is read once.
+  The host holds one piece, the records it lies in (:data:`.rank_shard.CACHE_BYTES` at most) and the block scales
+  of the parameter being written (a 256th of its elements a moment), whatever the size of the model.
 - **Nothing half-written**: NEW is written under ``NEW.saving`` and renamed into place once its files, DCP's
   metadata and their checksums are written; a conversion that fails or is killed leaves OUT_DIR's tags as they
   were. The source checkpoint is only read.
@@ -53,6 +55,9 @@ try:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 except ImportError:  # pragma: no cover (torch >= 2.4 has them)
     DefaultSavePlanner = object
+
+
+LAST_SCALES = "." + key_of(list(MOMENTS)[-1], SCALES)  # the key a parameter's state is written with last
 
 
 @dataclasses.dataclass
@@ -247,6 +252,9 @@ class _Planner(DefaultSavePlanner):
         a = chunk.offsets[0] * row if tensor.shape else 0
         values = tensor.read(self.ranks, a, a + math.prod(chunk.sizes)).view(chunk.sizes)
         self.meter.update(values.numel() * values.element_size())
+        if write_item.index.fqn.endswith(LAST_SCALES) and a + values.numel() == math.prod(tensor.shape):
+            for r, _, i, *_ in tensor.pieces:  # the parameter's last piece written: its records' scales let go
+                self.ranks[r].forget_scales(i)
         return values
 
 
