@@ -107,6 +107,27 @@ def test_24_bit_masters_go_as_kept_and_come_back_bit_for_bit(tmp_path) -> None:
     assert train(resumed, data[BEFORE:]) == continued
 
 
+def test_the_converted_checkpoint_converts_to_the_same_adamw_state_and_hub_weights(tmp_path) -> None:
+    """Its AdamW state dict and safetensors (the portable converters) hold what the per-rank converters give the
+    source: the same float32 moments, 24-bit masters decoded exactly, the same weights."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    settings = config("int8_m24") | {"bf16": {"enabled": True}}
+    engine, *_ = twinflow.initialize(model=model(seed=0), config=settings)
+    _train_bf16(engine, batches()[:BEFORE])
+    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
+    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    for directory, name in ((tmp_path / "ckpt", "per_rank"), (tmp_path / "out", "portable")):
+        args = [str(directory), "a", str(tmp_path / f"{name}.pt"), "--safetensors", str(tmp_path / name)]
+        assert convert_main(args) == 0
+    direct, converted = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("per_rank", "portable"))
+    assert direct["param_groups"] == converted["param_groups"] and direct["state"].keys() == converted["state"].keys()
+    for i, entry in direct["state"].items():
+        assert entry.keys() == converted["state"][i].keys() and "master" in entry
+        assert all(torch.equal(v, converted["state"][i][k]) for k, v in entry.items()), i
+    weights = [safetensors_torch.load_file(tmp_path / n / "model.safetensors") for n in ("per_rank", "portable")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(v, weights[1][k]) for k, v in weights[0].items())
+
+
 def dcp_pieces(folder: Path) -> dict[str, int]:
     """How many pieces DCP's metadata in `folder` holds of each tensor."""
     from torch.distributed.checkpoint import FileSystemReader
