@@ -14,6 +14,7 @@ the losses of the steps after the save: a checkpoint loaded by later code must c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -53,6 +54,18 @@ def train(engine, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def strip_layout(folder: Path) -> None:
+    """The one-rank per-rank checkpoint in `folder` as written before the shards recorded their layout."""
+    shard = folder / "rank0.pt"
+    old = torch.load(shard, weights_only=True)
+    del old["layout"]
+    torch.save(old, shard)
+    meta = json.loads((folder / "meta.json").read_text())
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    meta["shards"]["rank0.pt"] = {"bytes": shard.stat().st_size, "sha256": digest}
+    (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def main() -> None:

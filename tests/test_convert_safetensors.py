@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checkpoint_fixture import strip_layout
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import consolidate as consolidate_module
 from twinflow.checkpoint import safetensors_out, save_checkpoint
-from twinflow.checkpoint.checkpoint_files import sha256_of
 from twinflow.checkpoint.consolidate import consolidate
 from twinflow.checkpoint.convert_cli import main as convert_main
 from twinflow.checkpoint.safetensors_out import hub_name, parse_size
@@ -137,13 +137,7 @@ def test_at_most_one_bounded_piece_is_in_memory_at_a_time(tmp_path, monkeypatch,
 def test_a_one_rank_checkpoint_saved_before_the_layout_pairs_parameters_in_order(tmp_path) -> None:
     model, opt = trained("fp32")
     save_checkpoint(tmp_path / "ckpt", "t", model=model, optimizer=opt)
-    shard = tmp_path / "ckpt" / "t" / "rank0.pt"
-    old = torch.load(shard, weights_only=True)
-    del old["layout"]  # as written before the layout was recorded
-    torch.save(old, shard)
-    meta = json.loads((tmp_path / "ckpt" / "t" / "meta.json").read_text())
-    meta["shards"]["rank0.pt"] = {"bytes": shard.stat().st_size, "sha256": sha256_of(shard)}
-    (tmp_path / "ckpt" / "t" / "meta.json").write_text(json.dumps(meta))
+    strip_layout(tmp_path / "ckpt" / "t")
     model.config.save_pretrained(tmp_path / "hub")
     consolidate(tmp_path / "ckpt", "t", tmp_path / "hub")
     saved = safetensors_torch.load_file(tmp_path / "hub" / "model.safetensors")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import twinflow
-from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, train
+from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, strip_layout, train
 from tests.test_checkpoint_compat import FIXTURES
 from tests.test_portable_checkpoint import _launch
 from twinflow import TwinFlowAdam
@@ -137,14 +137,22 @@ def dcp_pieces(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("stage, precision", [(3, "fp32"), (3, "int8_m24"), (1, "fp32"), (0, "int8_m24")])
-def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(tmp_path, stage: int,
+def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(tmp_path, monkeypatch, stage: int,
                                                                               precision: str) -> None:  # fmt: skip
     """FSDP2 (stage 3: each rank's shard holds its rows), ZeRO-1 (each rank the state of its parameters), DDP:
     merged by the shards' layout. On two ranks the run continues bit for bit; on one as a portable save's does."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     first = _launch(tmp_path, "saved", 2, stage, precision, 0.5, "--save", str(ckpt), "--per-rank")
     assert (ckpt / "moved" / "rank1.pt").is_file()
+    kept, close = [], rank_shard.RankShard.close
+
+    def closing(self) -> None:  # noqa: ANN001
+        kept.append(len(self.kept_scales))
+        close(self)
+
+    monkeypatch.setattr(rank_shard.RankShard, "close", closing)
     assert convert_main([str(ckpt), "moved", "--to-portable", str(out)]) == 0
+    assert kept == [0, 0]  # no block scales kept past their parameter, decoded or as kept
     keys = torch.load(out / "moved" / "twinflow.pt", weights_only=True)["state_keys"]
     # compact moments go as kept where every rank's piece starts on a block: whole parameters (DDP, ZeRO-1), not
     # FSDP2's rows of this 48-wide model (rank 1's start 1152 elements in, half a block)
@@ -225,6 +233,92 @@ def test_a_conversion_that_fails_leaves_the_output_as_it_was(tmp_path, monkeypat
         to_portable.to_portable(ckpt, "a", out, "after")
     assert sorted(p.name for p in out.iterdir()) == ["before", "latest"]
     assert (out / "latest").read_text() == "before"
+    with pytest.raises(OSError, match="disk full"):  # into folders it makes: they go again
+        to_portable.to_portable(ckpt, "a", tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_output_that_would_replace_its_source_or_an_odd_tag_is_refused_and_nothing_changes(tmp_path) -> None:
+    """Putting the converted tag in place renames what is there and removes it: an OUT_DIR and tag that are the
+    source's folder, or hold it (``runs/exp1`` for a source in ``runs/exp1/step2``), are refused, as are tags that
+    are not plain names; a failed conversion removes the folders it made."""
+    engine = _engine("fp32", seed=0)
+    train(engine, batches()[:2])
+    runs = tmp_path / "runs"
+    for tag in ("step1", "step2"):
+        engine.save_checkpoint(runs / "exp1", tag, portable=False)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    cases = [(runs, "exp1"), (runs / "exp1", "step2"), (runs / "exp1" / "step2", "x")]
+    cases += [(runs / "new" / "deeper", tag) for tag in ("latest", "../escaped", ".hidden")]
+    for out_dir, out_tag in cases:
+        with pytest.raises(CheckpointError, match="source|plain folder name"):
+            to_portable.to_portable(runs / "exp1", "step2", out_dir, out_tag)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_state_without_a_step_and_parameters_without_state_come_through(tmp_path) -> None:
+    """SGD's momentum (no step) is converted as saved; a parameter that never had a gradient (no state) loads
+    afresh, from the converted checkpoint and from a portable save alike, and the run goes on as it did."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        net[0](torch.randn(2, 8)).square().sum().backward()  # net[1] never gets a gradient
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
+    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    keys = torch.load(tmp_path / "out" / "a" / "twinflow.pt", weights_only=True)["state_keys"]
+    assert keys == {"0.weight": ["momentum_buffer"], "0.bias": ["momentum_buffer"], "1.weight": [], "1.bias": []}
+    again = copy.deepcopy(net)
+    sgd = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+    load_portable(tmp_path / "out", model=again, optimizer=sgd)
+    saved, loaded = opt.state_dict()["state"], sgd.state_dict()["state"]
+    assert saved.keys() == loaded.keys() == {0, 1}
+    assert all(torch.equal(saved[i]["momentum_buffer"], loaded[i]["momentum_buffer"]) for i in saved)
+    data = batches()
+    engine = _engine_with_spare(0)
+    train(engine, data[:BEFORE])
+    engine.save_checkpoint(tmp_path / "e", "per_rank", portable=False)
+    engine.save_checkpoint(tmp_path / "e", "portable")
+    continued = train(engine, data[BEFORE:])
+    to_portable.to_portable(tmp_path / "e", "per_rank", tmp_path / "e", "converted")
+    for tag in ("portable", "converted"):
+        resumed = _engine_with_spare(3)
+        resumed.load_checkpoint(tmp_path / "e", tag)
+        assert train(resumed, data[BEFORE:]) == continued, tag
+
+
+class _Spare(torch.nn.Module):
+    """The fixture's model, with a layer the forward never uses (its parameters never have state)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.net, self.spare = model(seed), torch.nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _engine_with_spare(seed: int):  # noqa: ANN202
+    engine, *_ = twinflow.initialize(model=_Spare(seed), config=config("int8_m24"))
+    return engine
+
+
+def test_a_layoutless_checkpoint_whose_tensors_do_not_pair_one_to_one_is_refused(tmp_path) -> None:
+    """A checkpoint saved before the shards recorded their layout names its state by pairing the model's tensors
+    with the parameters by shape: where a buffer has a parameter's shape (BatchNorm's running mean beside a bias),
+    that pairing is a guess, and the conversion refuses rather than misname the state."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
+    strip_layout(tmp_path / "ckpt" / "a")  # as written before the layout was recorded
+    with pytest.raises(CheckpointError, match=r"shape \[8\] do not pair .* save it again"):
+        to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_damaged_shard_is_refused_naming_it_and_nothing_is_written(tmp_path) -> None:

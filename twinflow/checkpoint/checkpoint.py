@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ from twinflow.checkpoint.checkpoint_files import (
     write_temp,
 )
 from twinflow.checkpoint.portable import remove_portable
-from twinflow.checkpoint.saved_values import check_extra, meta_json, weights_only_error
+from twinflow.checkpoint.saved_values import check_extra, check_tag, meta_json, weights_only_error
 from twinflow.optim.cpu_adam import CPUAdam
 from twinflow.optim.offload_states import where_now
 from twinflow.optim.twin_flow_adam import TwinFlowAdam
@@ -80,14 +79,6 @@ def _local_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, tor
     """The model's state as this rank holds it (FSDP2: local shards), read where ``offload_states`` moved it."""
     view = where_now(optimizer)
     return {key: v if (v := view(x)) is x else v.clone() for key, t in model.state_dict().items() for x in [local(t)]}
-
-
-def _check_tag(tag: Any) -> None:
-    if not isinstance(tag, str) or not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(
-            f"tag={tag!r}; expected a plain folder name (a non-empty string without '/', not starting with '.', "
-            "not 'latest'), e.g. tag='step100'"
-        )
 
 
 def save_checkpoint(
@@ -111,7 +102,7 @@ def save_checkpoint(
     Ctrl-C propagates as KeyboardInterrupt. With several ranks, call it on
     every rank. Returns the tag's folder.
     """
-    _check_tag(tag)
+    check_tag(tag)
     meta = {} if meta is None else meta
     extra = {} if extra is None else extra
     meta_json(meta)  # on every rank, before anything is written: all ranks refuse alike

@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                         "state to convert (default 0); a portable checkpoint's is the whole model's")  # fmt: skip
     parser.add_argument("--safetensors", metavar="DIR", help="also write the model's weights to DIR: "
                         "model.safetensors, or several files and model.safetensors.index.json")  # fmt: skip
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                         help="the floating weights' dtype in --safetensors (default fp32)")  # fmt: skip
-    parser.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file, e.g. 5GB, "
+    parser.add_argument("--max-shard-size", default=None, help="the largest safetensors file, e.g. 5GB, "
                         "500MB, 2GiB (default 5GB; a larger tensor gets a file of its own)")  # fmt: skip
     parser.add_argument("--hf-config", metavar="HF_DIR", help="a folder with the model's config.json (e.g. "
                         "from model.config.save_pretrained): copied into --safetensors DIR, so that "
@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                         "from")  # fmt: skip
     parser.add_argument("--out-tag", help="--to-portable: the converted checkpoint's tag (default: TAG's)")
     args = parser.parse_args(argv)
-    if args.to_portable is not None and (args.out, args.safetensors, args.rank) != (None, None, None):
+    given = (args.out, args.safetensors, args.rank, args.dtype, args.max_shard_size, args.hf_config)
+    if args.to_portable is not None and any(value is not None for value in given):
         parser.error("--to-portable goes alone: convert the portable checkpoint it writes to OUT.pt or --safetensors")
+    args.dtype, args.max_shard_size = args.dtype or "fp32", args.max_shard_size or "5GB"
     if args.out_tag is not None and args.to_portable is None:
         parser.error("--out-tag goes with --to-portable OUT_DIR")
     if args.out is None and args.safetensors is None and args.to_portable is None:

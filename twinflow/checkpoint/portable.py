@@ -263,6 +263,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     state = {MODEL: model_tensors(model, optimizer), OPTIM: optimizer_tensors(model, optimizer)}
     keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
     hyper = groups(model, optimizer)  # every rank's parameters' names: every rank takes part
+    keys = {name: [] for group in hyper for name in group["params"]} | keys  # no state yet: a load starts it afresh
     if rank == 0:
         info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
                 "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,

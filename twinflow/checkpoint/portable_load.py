@@ -383,7 +383,7 @@ class StateReader:
             f.at.read(target, changed=True)
         steps = f.read[OPTIM]
         return {j: {"step": steps[f.names[id(f.params[j])]]["step"], **entry}
-                for j, entry in zip(batch, target[OPTIM].values(), strict=True)}  # fmt: skip
+                for j, entry in zip(batch, target[OPTIM].values(), strict=True) if self.moments[j]}  # fmt: skip
 
 
 def _streamed(found: _Checked, optimizer: Any) -> float:
@@ -417,8 +417,11 @@ def _whole(found: _Checked, optimizer: Any) -> None:
     optimizer's own ``load_state_dict``, which checks everything before it changes anything (if it refuses, the
     weights go back)."""
     target, model_now = found.read, found.model_now
-    state = {i: _owned_entry(p, portable_codes.decoded(p, target[OPTIM][found.names[id(p)]]))
-             for i, p in enumerate(found.params)}  # fmt: skip
+    state = {  # a parameter saved without state has no entry: it starts afresh
+        i: _owned_entry(p, portable_codes.decoded(p, target[OPTIM][found.names[id(p)]]))
+        for i, p in enumerate(found.params)
+        if target[OPTIM][found.names[id(p)]]
+    }  # fmt: skip (none: afresh)
     before = {key: local(now).to("cpu", copy=True) for key, now in model_now.items()}
     with torch.no_grad():
         for key, now in model_now.items():

@@ -26,7 +26,7 @@ from twinflow.precision.compact import BLOCK, blocks
 # A compact record's parts by the portable format's keys: each moment's codes and block scales, a 24-bit master's two
 RAW = {key_of(m, w): 2 * n + (w == SCALES) for n, m in enumerate(MOMENTS) for w in (CODES, SCALES)} | {HI: 4, LO: 5}
 SCALE_SLOTS = {key_of(m, SCALES): n for n, m in enumerate(MOMENTS)}  # a moment's scales in kept_scales
-CACHE_BYTES = 1 << 29  # frames kept for the next reads by range (a piece's several keys read from the same ones)
+CACHE_BYTES = 1 << 29  # frames kept for the next reads by range (a piece's keys read from the same ones), in all
 BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
 
 
@@ -67,6 +67,30 @@ def layout(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"params": params, "sharded": sharded}
 
 
+class FrameCache:
+    """The frames last read by range, by (shard, frame): the last two, and more up to :data:`CACHE_BYTES` in all."""
+
+    def __init__(self) -> None:
+        self.frames: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: tuple[int, int]) -> Any:
+        if key in self.frames:
+            self.frames.move_to_end(key)
+        return self.frames.get(key)
+
+    def put(self, key: tuple[int, int], frame: Any) -> Any:
+        self.frames[key] = frame
+        self.nbytes += _nbytes(frame)
+        while len(self.frames) > 2 and self.nbytes > CACHE_BYTES:
+            self.nbytes -= _nbytes(self.frames.popitem(last=False)[1])
+        return frame
+
+
+def _nbytes(frame: Any) -> int:
+    return sum(t.nbytes for t in frame) if isinstance(frame, list) else frame.nbytes
+
+
 class RankShard:
     """One rank's shard, verified: its model tensors (key, shape, dtype), its optimizer parameters' state (`state`:
     index -> {key: shape}; `steps`), those with a master, its parameters' names, its param groups (parameters by
@@ -87,7 +111,7 @@ class RankShard:
             keys = ("exp_avg", "exp_avg_sq", "master")
             self.state = {i: {key: shape for key in keys[: 2 + (dtype != torch.float32)]}
                           for i, (shape, dtype, step) in enumerate(params) if step is not None}  # fmt: skip
-            self.steps = {i: float(step) for i, (_, _, step) in enumerate(params) if step is not None}
+            self.steps = {i: torch.tensor(float(step)) for i, (_, _, step) in enumerate(params) if step is not None}
             self.groups, self.scheduler, self.extra = (
                 self.shard.head["param_groups"],
                 self.shard.scheduler,
@@ -96,8 +120,6 @@ class RankShard:
             self.spans: dict[tuple[str, int], list[tuple[int, list]]] = {}  # a tensor's records: (frame, record)
             for n, record in enumerate(self.shard.records):
                 self.spans.setdefault((record[0], record[1]), []).append((n, record))
-            self.cached: collections.OrderedDict[int, Any] = collections.OrderedDict()  # frames read by range
-            self.kept_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # every state frame's, once read
         else:
             self.shard = None
             found = sha256_of(path)
@@ -112,34 +134,49 @@ class RankShard:
             count = sum(len(g["params"]) for g in optimizer.get("param_groups", []))
             self.masters = {i: e["master"].numel() for i, e in state.items()
                             if isinstance(e, dict) and isinstance(e.get("master"), torch.Tensor)}  # fmt: skip
-            self.shapes = [None] * count
-            for i, entry in state.items():
-                if isinstance(entry, dict) and isinstance(entry.get("exp_avg"), torch.Tensor) and i < count:
-                    self.shapes[i] = entry["exp_avg"].shape
             layout = self.whole.get("layout")
-            entries = {i: e for i, e in state.items() if isinstance(e, dict) and "step" in e}
+            entries = {i: e for i, e in state.items()
+                       if isinstance(e, dict) and any(isinstance(v, torch.Tensor) for v in e.values())}  # fmt: skip
             self.state = {i: {k: v.shape for k, v in e.items() if isinstance(v, torch.Tensor) and k != "step"}
                           for i, e in entries.items()}  # fmt: skip
-            self.steps = {i: float(e["step"]) for i, e in entries.items()}
+            self.steps = {i: step.clone() if isinstance(step := e["step"], torch.Tensor) else torch.tensor(float(step))
+                          for i, e in entries.items() if "step" in e}  # fmt: skip
+            self.shapes = [None] * count
+            for i, keys_shapes in self.state.items():  # a moment's shape (exp_avg's, else any with dimensions)
+                shapes = [shape for k, shape in sorted(keys_shapes.items(), key=lambda kv: kv[0] != "exp_avg") if shape]
+                if shapes and i < count:
+                    self.shapes[i] = shapes[0]
             self.groups = optimizer.get("param_groups", [])
             self.scheduler, self.extra = self.whole.get("scheduler"), self.whole.get("extra")
+        self.kept_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the frames' of `scaled` params
+        self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
+        self.cache = FrameCache()  # frames read by range (a converter shares one between a checkpoint's ranks)
         self.layout = layout if isinstance(layout, dict) else None
         self.numel = {key: shape.numel() for key, shape, _ in self.model}
+        self.index = {key: k for k, (key, _, _) in enumerate(self.model)}
 
-    def names(self) -> list[list[str]]:
-        """Each optimizer parameter's names: from the layout, else paired with the model's tensors in order, by
-        shape (a checkpoint saved before the layout was recorded)."""
+    def names(self, strict: bool = False) -> list[list[str]]:
+        """Each optimizer parameter's names: from the layout, else (a checkpoint saved before the layout was
+        recorded) paired with the model's floating tensors of its shape, in order. `strict`: CheckpointError where
+        that pairing is a guess (a shape with more such tensors than parameters: buffers, or tensors without
+        state)."""
         if self.layout is not None:
             return [list(names) for names in self.layout["params"]]
-        names: list[list[str]] = []
-        tensors = iter((key, shape) for key, shape, dtype in self.model if dtype.is_floating_point)
-        for shape in self.shapes:
-            for key, model_shape in tensors:
-                if shape is None or model_shape.numel() == shape.numel():
-                    names.append([key])
-                    break
-            else:
-                names.append([])
+        queues: dict[torch.Size, list[str]] = {}
+        for key, shape, dtype in self.model:
+            if dtype.is_floating_point:
+                queues.setdefault(shape, []).append(key)
+        wanted = collections.Counter(shape for shape in self.shapes if shape is not None)
+        guessed = sorted(str(list(shape)) for shape, n in wanted.items() if len(queues.get(shape, [])) != n)
+        if strict and (guessed or None in self.shapes):
+            raise CheckpointError(
+                f"{self.where}: it was saved before twinflow recorded which model tensor each optimizer parameter is, "
+                f"and the model's tensors of shape {guessed[0] if guessed else '(a parameter without state)'} do "
+                "not pair with the parameters one to one: resume it on as many ranks and save it again"
+            )
+        taken = {shape: iter(keys) for shape, keys in queues.items()}
+        names = [[next(taken[shape], None)] if shape in taken else [] for shape in self.shapes]
+        names = [[n for n in pair if n is not None] for pair in names]
         # A tensor paired with no parameter, of the same bytes as one paired: a tied duplicate (an lm_head saved
         # with the embeddings), written once as with the layout (twice, from_pretrained would not tie them)
         kinds = {key: (shape, dtype) for key, shape, dtype in self.model}
@@ -176,7 +213,7 @@ class RankShard:
             whole = self.whole["model"][ref] if kind == "model" else self.whole["optimizer"]["state"][ref][key]
             values = whole.reshape(-1)[a:b]
             return values if kind == "model" else values.to(torch.float32)
-        k = next(k for k, (name, _, _) in enumerate(self.model) if name == ref) if kind == "model" else ref
+        k = self.index[ref] if kind == "model" else ref
         in_blocks = key is not None and key.endswith(f".{SCALES}")
         pieces = []
         for n, record in self.spans.get((kind, k), []):
@@ -206,24 +243,23 @@ class RankShard:
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
         return decode(codes[x0:y], scales[x0 // BLOCK : blocks(y)])[x - x0 :]
 
+    def keep_scales(self, i: int) -> None:
+        """Keeps the block scales of optimizer parameter i's records as they are read (asked for after its codes)."""
+        self.scaled.add(i)
+
     def forget_scales(self, i: int) -> None:
         """Lets go of the scales kept from optimizer parameter i's records (its state is written)."""
         for n, _ in self.spans.get(("state", i), []) if self.shard is not None else ():
             self.kept_scales.pop(n, None)
 
     def _frame(self, n: int) -> Any:
-        """Frame n's object: from the frames kept (the last read: two, and more up to :data:`CACHE_BYTES`), else
-        read."""
-        if n in self.cached:
-            self.cached.move_to_end(n)
-            return self.cached[n]
-        payload = self.shard.frame(n)
-        self.cached[n] = payload
-        if isinstance(payload, list):
-            self.kept_scales[n] = (payload[1], payload[3])
-        size = lambda frame: sum(t.nbytes for t in frame) if isinstance(frame, list) else frame.nbytes  # noqa: E731
-        while len(self.cached) > 2 and sum(size(frame) for frame in self.cached.values()) > CACHE_BYTES:
-            self.cached.popitem(last=False)
+        """Frame n's object: from the frames kept (:class:`FrameCache`), else read."""
+        payload = self.cache.get((id(self), n))
+        if payload is None:
+            payload = self.cache.put((id(self), n), self.shard.frame(n))
+            record = self.shard.records[n]
+            if record[0] == "state" and record[1] in self.scaled:
+                self.kept_scales[n] = (payload[1], payload[3])
         return payload
 
     def close(self) -> None:

@@ -1,11 +1,13 @@
 """What a checkpoint keeps beside its tensors, checked before anything is written: the caller's ``extra`` (read
 back with ``torch.load(weights_only=True)``) and ``meta`` (JSON in the per-rank format's meta.json; read back like
-``extra`` in the portable format's twinflow.pt). Each refusal is a TypeError naming the entry and the fix."""
+``extra`` in the portable format's twinflow.pt), each refusal a TypeError naming the entry and the fix; and the tag
+it is saved under (a ValueError)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from typing import Any
 
 import torch
@@ -96,3 +98,12 @@ def check_extra(extra: Any) -> None:
         raise TypeError(
             f"extra= cannot be saved ({weights_only_error(whole)}): pass tensors and plain values"
         ) from whole
+
+
+def check_tag(tag: Any) -> None:
+    """ValueError unless `tag` names a checkpoint's folder plainly (not ``latest``, not hidden, no path)."""
+    if not isinstance(tag, str) or not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == "latest":
+        raise ValueError(
+            f"tag={tag!r}; expected a plain folder name (a non-empty string without '/', not starting with '.', "
+            "not 'latest'), e.g. tag='step100'"
+        )

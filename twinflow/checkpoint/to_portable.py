@@ -29,6 +29,7 @@ the caller's meta; ``latest`` in OUT_DIR then names NEW. The engine's ``load_che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -40,12 +41,13 @@ import torch
 from twinflow.base.notice import notice
 from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint.checkpoint_files import PORTABLE_INFO, CheckpointError, read_meta, save_to_stream, write_atomic
-from twinflow.checkpoint.portable import SAVING, dcp, put_in_place
+from twinflow.checkpoint.portable import OLD, SAVING, dcp, put_in_place
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
 from twinflow.checkpoint.portable_load import CHUNK
 from twinflow.checkpoint.portable_state import MODEL, OPTIM
 from twinflow.checkpoint.portable_sums import write_sums
-from twinflow.checkpoint.rank_shard import RankShard
+from twinflow.checkpoint.rank_shard import FrameCache, RankShard
+from twinflow.checkpoint.saved_values import check_tag
 from twinflow.precision.compact import BLOCK, blocks
 from twinflow.version import __version__
 
@@ -112,7 +114,7 @@ class _Model:
         return ("model", self.key, None) if self.key in self.ranks[r].numel else None
 
     def shape(self, r: int) -> list[int]:
-        return next(list(shape) for key, shape, _ in self.ranks[r].model if key == self.key)
+        return list(self.ranks[r].model[self.ranks[r].index[self.key]][1])
 
 
 class _State:
@@ -147,18 +149,17 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
         whole = list(sharded.get(key) or shape)
         out[MODEL][key] = Logical(whole, dtype, _pieces(ranks, key, sharded, _Model(ranks, key)))
     holders: dict[str, dict[int, int]] = {}  # a parameter's name (its last, as a portable save names it) -> rank: i
-    every = [rank.names() for rank in ranks]
+    every = [rank.names(strict=True) for rank in ranks]
+    first_of = {n[-1]: n[0] for names in every for n in names if n}  # its model key (the sharded tensors' name)
     for r, names in enumerate(every):
         for i, n in enumerate(names):
             if n and i in ranks[r].state:
                 holders.setdefault(n[-1], {})[r] = i
     state_keys: dict[str, list[str]] = {}
     for name, index in holders.items():
-        first = next(n[0] for names in every for n in names if n and n[-1] == name)
-        r0 = min(index)
-        keys = sorted(ranks[r0].state[index[r0]])
+        first, r0 = first_of[name], min(index)
         entry = {}
-        for key in keys:
+        for key in sorted(ranks[r0].state[index[r0]]):
             pieces = _pieces(ranks, first, sharded, _State(ranks, index, key))
             whole = list(sharded.get(first) or ranks[r0].state[index[r0]][key])
             held = sum(piece[-1] for piece in pieces)
@@ -166,16 +167,21 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
                 raise CheckpointError(f"checkpoint {tag!r}: the ranks' pieces of {name!r}'s {key!r} hold {held} "
                                       f"elements, its shape {whole} {math.prod(whole)}")  # fmt: skip
             entry[key] = Logical(whole, torch.float32, pieces)
-        if all(ranks[r].shard is not None for r in index) and all(p[4] % BLOCK == 0 for p in entry["exp_avg"].pieces):
+        compact = all(ranks[r].shard is not None for r in index)
+        if compact and all(p[4] % BLOCK == 0 for p in entry["exp_avg"].pieces):
             entry = _as_kept(entry, set().union(*(ranks[r].forms(i) for r, i in index.items())) == {"m24"})
-        out[OPTIM][name] = entry | {"step": torch.tensor(ranks[r0].steps[index[r0]])}
-        state_keys[name] = sorted([*entry, "step"])
+            for r, i in index.items():
+                ranks[r].keep_scales(i)
+        if index[r0] in ranks[r0].steps:
+            entry["step"] = ranks[r0].steps[index[r0]]
+        out[OPTIM][name] = entry
+        state_keys[name] = sorted(entry)
     groups = []
     for g, group in enumerate(ranks[0].groups):
         names: list[str] = []
         for r, rank in enumerate(ranks):
-            names += [every[r][i][-1] for i in rank.groups[g]["params"] if every[r][i] and every[r][i][-1] not in names]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+            names += [every[r][i][-1] for i in rank.groups[g]["params"] if every[r][i]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(dict.fromkeys(names))})
     for name in (name for group in groups for name in group["params"]):
         state_keys.setdefault(name, [])  # a parameter without state yet: a load starts it afresh
     tied = {later: n[0] for names in every for n in names for later in n[1:]}
@@ -287,19 +293,28 @@ def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out
     nothing is left of a conversion that fails."""
     directory, out_dir = Path(directory), Path(out_dir)
     tag, info = read_meta(directory, None if tag == "latest" else tag)
-    out_tag = out_tag or tag
-    final, saving = out_dir / out_tag, out_dir / f"{out_tag}{SAVING}"
-    if final.resolve() == (directory / tag).resolve():
-        raise CheckpointError(f"the converted checkpoint would replace {directory / tag}, its source: give another "
-                              "OUT_DIR, or --out-tag with another name")  # fmt: skip
-    ranks: list[RankShard] = []
+    out_tag = tag if out_tag is None else out_tag
     try:
+        check_tag(out_tag)
+    except ValueError as exc:
+        raise CheckpointError(f"the converted checkpoint's {exc}") from exc
+    final, saving = out_dir / out_tag, out_dir / f"{out_tag}{SAVING}"
+    source, target = (directory / tag).resolve(), final.resolve()
+    touched = [target, saving.resolve(), target.with_name(target.name + OLD)]  # what putting it in place replaces
+    if any(path == source or path in source.parents or source in path.parents for path in touched):
+        raise CheckpointError(f"the converted checkpoint {final} would replace or lie inside {directory / tag}, its "
+                              "source: give another OUT_DIR or --out-tag")  # fmt: skip
+    ranks: list[RankShard] = []
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # made here: removed again on a failure
+    try:
+        cache = FrameCache()  # one budget for every rank's frames
         for r in range(info["world_size"]):
             ranks.append(RankShard(directory, tag, info, r))
+            ranks[-1].cache = cache
         state, entries = plan(ranks, tag)
         entries.update(meta=info.get("meta"), converted_from={"tag": tag, "world_size": info["world_size"]})
         out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(saving, ignore_errors=True)
+        shutil.rmtree(saving, ignore_errors=True)  # what a killed conversion to this tag left
         saving.mkdir()
         try:
             write_atomic(saving / PORTABLE_INFO, lambda f: save_to_stream(entries, f))
@@ -312,6 +327,11 @@ def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out
         except BaseException:
             shutil.rmtree(saving, ignore_errors=True)
             raise
+    except BaseException:
+        for folder in created:  # deepest first; only if empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         for rank in ranks:
             rank.close()
