@@ -3,14 +3,15 @@ weights and masters, for :mod:`.consolidate`) or an element range of a tensor at
 :mod:`.to_portable`).
 
 A compact shard (:mod:`.compact_checkpoint`) is verified whole when opened (its sha256, every frame against its
-head) and its records read again as asked: by range, one record is kept decoded-ready (its frame) at a time. A
-torch.save shard is checked against its sha256 and memory-mapped.
+head) and its records read again as asked: by range, the frames last read are kept (:class:`FrameCache`, one for
+all of a checkpoint's ranks). A torch.save shard is checked against its sha256 and memory-mapped.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from twinflow.precision.compact import BLOCK, blocks
 
 # A compact record's parts by the portable format's keys: each moment's codes and block scales, a 24-bit master's two
 RAW = {key_of(m, w): 2 * n + (w == SCALES) for n, m in enumerate(MOMENTS) for w in (CODES, SCALES)} | {HI: 4, LO: 5}
-SCALE_SLOTS = {key_of(m, SCALES): n for n, m in enumerate(MOMENTS)}  # a moment's scales in kept_scales
 CACHE_BYTES = 1 << 29  # frames kept for the next reads by range (a piece's keys read from the same ones), in all
 BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
 
@@ -96,7 +96,8 @@ class RankShard:
     index -> {key: shape}; `steps`), those with a master, its parameters' names, its param groups (parameters by
     index), scheduler and extra state."""
 
-    def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int) -> None:
+    def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int,
+                 cache: FrameCache | None = None) -> None:  # fmt: skip
         path, expected = shard_file(directory, tag, info, rank)
         self.f = open(path, "rb")  # noqa: SIM115 (closed by close())
         self.where = f"checkpoint {tag!r}, shard {path}"
@@ -104,8 +105,6 @@ class RankShard:
             self.shard: CompactShard | None = CompactShard(self.f, expected, tag, path)
             self.model = self.shard.model
             params = self.shard.params
-            self.masters = {i: shape.numel() for i, (shape, dtype, step) in enumerate(params)
-                            if step is not None and dtype != torch.float32}  # fmt: skip
             self.shapes: list[torch.Size | None] = [shape for shape, _, _ in params]
             layout = self.shard.head.get("layout")
             keys = ("exp_avg", "exp_avg_sq", "master")
@@ -132,8 +131,6 @@ class RankShard:
             optimizer = self.whole.get("optimizer") or {}
             state = optimizer.get("state", {})
             count = sum(len(g["params"]) for g in optimizer.get("param_groups", []))
-            self.masters = {i: e["master"].numel() for i, e in state.items()
-                            if isinstance(e, dict) and isinstance(e.get("master"), torch.Tensor)}  # fmt: skip
             layout = self.whole.get("layout")
             entries = {i: e for i, e in state.items()
                        if isinstance(e, dict) and any(isinstance(v, torch.Tensor) for v in e.values())}  # fmt: skip
@@ -148,9 +145,10 @@ class RankShard:
                     self.shapes[i] = shapes[0]
             self.groups = optimizer.get("param_groups", [])
             self.scheduler, self.extra = self.whole.get("scheduler"), self.whole.get("extra")
-        self.kept_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the frames' of `scaled` params
+        self.masters = {i: math.prod(keys["master"]) for i, keys in self.state.items() if "master" in keys}
+        self.kept_scales: dict[int, dict[str, torch.Tensor]] = {}  # the frames' of `scaled` params, by key
         self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
-        self.cache = FrameCache()  # frames read by range (a converter shares one between a checkpoint's ranks)
+        self.cache = cache if cache is not None else FrameCache()  # frames read by range
         self.layout = layout if isinstance(layout, dict) else None
         self.numel = {key: shape.numel() for key, shape, _ in self.model}
         self.index = {key: k for k, (key, _, _) in enumerate(self.model)}
@@ -229,8 +227,8 @@ class RankShard:
 
     def _decoded(self, n: int, record: list, key: str | None, x: int, y: int) -> torch.Tensor:
         """Elements [x, y) of record n (read once for the keys asked of it one after the other), `key` decoded."""
-        if key in SCALE_SLOTS and n in self.kept_scales:  # 1/256 of a record: kept, not read again
-            return self.kept_scales[n][SCALE_SLOTS[key]][x:y]
+        if key in self.kept_scales.get(n, {}):  # a moment's scales, 1/256 of a record: kept, not read again
+            return self.kept_scales[n][key][x:y]
         payload = self._frame(n)
         if record[0] == "model":
             return payload[x:y]
@@ -259,7 +257,7 @@ class RankShard:
             payload = self.cache.put((id(self), n), self.shard.frame(n))
             record = self.shard.records[n]
             if record[0] == "state" and record[1] in self.scaled:
-                self.kept_scales[n] = (payload[1], payload[3])
+                self.kept_scales[n] = {key: payload[RAW[key]] for key in RAW if key.endswith(f".{SCALES}")}
         return payload
 
     def close(self) -> None:

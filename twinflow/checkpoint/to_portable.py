@@ -309,8 +309,7 @@ def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out
     try:
         cache = FrameCache()  # one budget for every rank's frames
         for r in range(info["world_size"]):
-            ranks.append(RankShard(directory, tag, info, r))
-            ranks[-1].cache = cache
+            ranks.append(RankShard(directory, tag, info, r, cache))
         state, entries = plan(ranks, tag)
         entries.update(meta=info.get("meta"), converted_from={"tag": tag, "world_size": info["world_size"]})
         out_dir.mkdir(parents=True, exist_ok=True)
