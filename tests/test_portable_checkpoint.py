@@ -631,6 +631,32 @@ def test_an_asynchronous_save_where_torch_cannot_is_refused_before_anything_is_w
     assert (tmp_path / "ckpt" / "latest").read_text() == "a"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "int8_m24"])
+def test_a_synchronous_save_of_a_model_on_the_gpu_copies_its_weights_to_no_page_locked_memory(
+    tmp_path, precision: str
+) -> None:
+    """DCP's writer copies a GPU tensor to the host with non_blocking=True, into new page-locked memory that the
+    caching host allocator keeps: every weight went through it, 1.1 GiB a rank of OPT-13B's save stayed pinned."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048)).cuda()
+    opt = TwinFlowAdam(model.parameters(), lr=1e-3, ratio=0.5, state_precision=precision)
+    for _ in range(2):
+        model(torch.randn(8, 2048, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [p.detach().cpu() for p in model.parameters()]
+    torch.cuda.synchronize()
+    handed_out = torch.cuda.host_memory_stats().get("active_bytes.allocated", 0)
+    portable.save_portable(tmp_path, "t", model=model, optimizer=opt)
+    pinned = torch.cuda.host_memory_stats().get("active_bytes.allocated", 0) - handed_out
+    assert pinned < (1 << 20), f"{pinned} bytes of page-locked memory handed out during the save"
+    for p in model.parameters():  # poisoned: the saved weights must come back from the files
+        p.data.fill_(float("nan"))
+    portable_load.load_portable(tmp_path, "t", model=model, optimizer=opt)
+    assert all(p.detach().cpu().equal(w) for p, w in zip(model.parameters(), weights))
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("precision", ["fp32", "int8_m24"])

@@ -268,7 +268,14 @@ class ReadWhenWritten(DefaultSavePlanner):
         if deferred is not None:
             return deferred.local()
         scales = self.state_dict.get(index.fqn)  # an asynchronous save's copy of a moment's block scales
-        return scales.data if isinstance(scales, portable_codes.BlockScales) else super().lookup_object(index)
+        if isinstance(scales, portable_codes.BlockScales):
+            return scales.data
+        found = super().lookup_object(index)
+        # DCP's writer copies a tensor on a GPU to the host with non_blocking=True: into new page-locked memory, a
+        # block rounded up to a power of two that the caching host allocator keeps for the rest of the run (each
+        # weight of a model on the GPU passed through it, OPT-13B's embeddings' piece too). Copied here instead, to
+        # ordinary memory, let go once written.
+        return found.cpu() if isinstance(found, torch.Tensor) and found.device.type != "cpu" else found
 
 
 def tied(model: torch.nn.Module) -> dict[str, str]:
