@@ -26,7 +26,8 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   rounding's noise follows the elements' new indices.
 - **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
-  previous tags loadable, and the next save removes what it left.
+  previous tags loadable, and the next save removes what it left. A save that fails (a full disk, Ctrl-C) removes
+  what it wrote before it raises; a step half done, or a folder it may not write, is refused before anything is.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
   each to a file of its own (:mod:`.portable_state`): the peak follows the largest tensor, not the model. An
   asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
@@ -55,7 +56,15 @@ from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import PORTABLE_INFO as INFO
-from twinflow.checkpoint.checkpoint_files import CheckpointError, is_portable, save_to_stream, write_atomic
+from twinflow.checkpoint.checkpoint_files import (
+    CheckpointError,
+    is_portable,
+    make_dirs,
+    remove_created,
+    save_to_stream,
+    unwritable_error,
+    write_atomic,
+)
 from twinflow.checkpoint.portable_state import (
     MODEL,
     OPTIM,
@@ -76,8 +85,9 @@ from twinflow.version import __version__
 
 try:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 except ImportError:  # pragma: no cover (torch >= 2.4 has it)
-    dcp = None
+    dcp = CheckpointException = None
 
 # DCP warns at every call made without torch.distributed, and at each per-rank read of a load (no_dist): one process
 # saving or loading on its own is what twinflow asks of it, and the engine saves this format by default. Only that
@@ -157,8 +167,9 @@ def _finish(saving: Path, final: Path, last_write: Any) -> None:
         raise failed
     if others:
         rank, why = min(others.items())
-        raise CheckpointError(f"the save of {final} failed on rank {rank} ({why[:300]}); it stays {saving.name} "
-                              "(removed by the next save) and the previous tags are as they were")  # fmt: skip
+        raise CheckpointError(f"the save of {final} failed on rank {rank} ({why[:300]}); nothing was put in place and "
+                              f"the previous tags are as they were ({saving.name} is removed by the next save at the "
+                              "latest)")  # fmt: skip
 
 
 _pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
@@ -215,7 +226,12 @@ def put_in_place(saving: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
-    saving.rename(final)
+    try:
+        saving.rename(final)
+    except BaseException:  # Ctrl-C between the renames: the tag as it was (a process killed there: the load reads .old)
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
     write_atomic(final.parent / "latest", lambda f: f.write(final.name.encode()))
     shutil.rmtree(old, ignore_errors=True)
 
@@ -254,40 +270,88 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         raise next(refused[r] for r in sorted(refused) if refused[r] is not None)
     if callable(getattr(optimizer, "synchronize", None)):
         optimizer.synchronize()  # the model's weights hold every update taken, a delayed one included
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for left in directory.glob(f"*{SAVING}"):  # what a killed save left
-            shutil.rmtree(left, ignore_errors=True)
-        saving.mkdir()
-    _barrier()
-    state = {MODEL: model_tensors(model, optimizer), OPTIM: optimizer_tensors(model, optimizer)}
-    keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})
+    state = {MODEL: model_tensors(model, optimizer), OPTIM: optimizer_tensors(model, optimizer)}  # a step half done:
+    keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})  # refused before anything is made
     hyper = groups(model, optimizer)  # every rank's parameters' names: every rank takes part
     keys = {name: [] for group in hyper for name in group["params"]} | keys  # no state yet: a load starts it afresh
-    if rank == 0:
-        info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
-                "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "extra": extra, "meta": meta, "sums": True, "tied": tied(model),
-                "model_keys": list(state[MODEL])}  # fmt: skip
-        write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
-    if asynchronous:  # copied to host memory now (the deferred read: new tensors already), written by a thread
-        copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
-        writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
-        future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
-                                storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
-                                planner=ReadWhenWritten({}))  # fmt: skip
-        summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
-        _pending.append(PendingSave(summed, saving, final, start))
-        return _pending[-1]
-    # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
-    planned = with_each(state, lambda deferred: deferred.placeholder)
-    writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
-    planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
-    dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
-    planner.meter.close()
-    _finish(saving, final, lambda: write_sums(saving, rank, world))  # its files' sums, once every rank's are written
+    created = _make_room(directory, saving)
+    try:
+        if rank == 0:
+            info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
+                    "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "extra": extra, "meta": meta, "sums": True, "tied": tied(model),
+                    "model_keys": list(state[MODEL])}  # fmt: skip
+            write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
+        if asynchronous:
+            return _write_in_background(state, saving, final, start)
+        # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
+        planned = with_each(state, lambda deferred: deferred.placeholder)
+        writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
+        planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
+        dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
+        planner.meter.close()
+        _finish(saving, final, lambda: write_sums(saving, rank, world))  # the sums, once every rank's are written
+    except BaseException as exc:  # a full disk, Ctrl-C: nothing of this save stays, the previous tags as they were
+        if rank == 0:
+            shutil.rmtree(saving, ignore_errors=True)
+            remove_created(created)
+        cause = _cause(exc, final)
+        named = unwritable_error(cause, directory) if isinstance(cause, OSError) else None
+        if named is not None:
+            raise named from exc
+        if cause is not exc:
+            raise cause from exc
+        raise
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
     return final
+
+
+def _cause(exc: BaseException, final: Path) -> BaseException:
+    """DCP's CheckpointException (a BaseException, which ``except Exception`` misses) as the error it wraps: this
+    rank's own (Ctrl-C stays a KeyboardInterrupt, a full disk an OSError), else the first failing rank's, named."""
+    failures = exc.failures if CheckpointException is not None and isinstance(exc, CheckpointException) else None
+    if not failures:
+        return exc
+    rank = rank_and_world()[0]
+    if rank in failures:
+        return failures[rank][0]
+    first, (error, _) = min(failures.items(), key=lambda item: item[0])
+    return CheckpointError(f"the save of {final} failed: rank {first} could not write its pieces "
+                           f"({type(error).__name__}: {error}); the previous tags are as they were")  # fmt: skip
+
+
+def _make_room(directory: Path, saving: Path) -> list[Path]:
+    """Rank 0 makes `directory` (and the parents it lacks) and `saving` in it, once what a killed save left there is
+    removed; returns the folders made above `saving`. A folder it may not write is refused on every rank, naming
+    the directory given and the fix, and what was made is removed."""
+    created: list[Path] = []
+    why = None
+    if rank_and_world()[0] == 0:
+        try:
+            created = make_dirs(directory)
+            for left in directory.glob(f"*{SAVING}"):  # what a killed save left
+                shutil.rmtree(left, ignore_errors=True)
+            saving.mkdir()
+        except OSError as exc:
+            remove_created(created)
+            why = unwritable_error(exc, directory) or exc
+    refused = gathered({rank_and_world()[0]: why})  # every rank waits for the folder, and raises what rank 0 met
+    if any(refused.values()):
+        raise next(exc for exc in refused.values() if exc is not None)
+    return created
+
+
+def _write_in_background(state: dict[str, Any], saving: Path, final: Path, start: float) -> PendingSave:
+    """The state copied to host memory now (the deferred read: new tensors already), written by DCP's thread."""
+    rank, world = rank_and_world()
+    copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
+    writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
+    future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
+                            storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
+                            planner=ReadWhenWritten({}))  # fmt: skip
+    summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
+    _pending.append(PendingSave(summed, saving, final, start))
+    return _pending[-1]
 
 
 def latest_tag(directory: Path) -> str | None:
