@@ -26,8 +26,9 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   rounding's noise follows the elements' new indices.
 - **Nothing half-written.** The tag is written under ``<tag>.saving`` and renamed into place by rank 0 once DCP
   has written its metadata on every rank's pieces, then ``latest`` is written: a save killed at any point leaves the
-  previous tags loadable, and the next save removes what it left. A save that fails (a full disk, Ctrl-C) removes
-  what it wrote before it raises; a step half done, or a folder it may not write, is refused before anything is.
+  previous tags loadable, and the next save removes what it left, or puts it back (:func:`tidy`). A save that fails
+  (a full disk, Ctrl-C) removes what it wrote before it raises; a step half done, or a folder it may not write, is
+  refused before anything is.
 - **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
   each to a file of its own (:mod:`.portable_state`): the peak follows the largest tensor, not the model. An
   asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
@@ -61,6 +62,7 @@ from twinflow.checkpoint.checkpoint_files import (
     is_portable,
     make_dirs,
     remove_created,
+    remove_leftovers,
     save_to_stream,
     unwritable_error,
     write_atomic,
@@ -320,6 +322,21 @@ def _cause(exc: BaseException, final: Path) -> BaseException:
                            f"({type(error).__name__}: {error}); the previous tags are as they were")  # fmt: skip
 
 
+def tidy(directory: Path) -> None:
+    """Rank 0: what killed saves left in `directory` removed, or put back: their ``.saving`` folders and stray
+    temporaries (of ``latest``: a writer that is gone), and a tag's ``.old`` copy (removed where the tag is in place;
+    renamed back where the process died between a re-save's two renames, so the tag is itself again)."""
+    remove_leftovers(directory)
+    for left in directory.glob(f"*{SAVING}"):
+        shutil.rmtree(left, ignore_errors=True)
+    for old in directory.glob(f"*{OLD}"):
+        tag = old.with_name(old.name[: -len(OLD)])
+        if is_portable(tag):
+            shutil.rmtree(old, ignore_errors=True)
+        elif not tag.exists() and is_portable(old):
+            old.rename(tag)
+
+
 def _make_room(directory: Path, saving: Path) -> list[Path]:
     """Rank 0 makes `directory` (and the parents it lacks) and `saving` in it, once what a killed save left there is
     removed; returns the folders made above `saving`. A folder it may not write is refused on every rank, naming
@@ -329,8 +346,7 @@ def _make_room(directory: Path, saving: Path) -> list[Path]:
     if rank_and_world()[0] == 0:
         try:
             created = make_dirs(directory)
-            for left in directory.glob(f"*{SAVING}"):  # what a killed save left
-                shutil.rmtree(left, ignore_errors=True)
+            tidy(directory)
             saving.mkdir()
         except OSError as exc:
             remove_created(created)
