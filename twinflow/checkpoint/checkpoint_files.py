@@ -342,6 +342,8 @@ def sha256_of(path: Path) -> str:
 
 
 PORTABLE_INFO = "twinflow.pt"  # a portable checkpoint's non-tensor part, beside DCP's .metadata (:mod:`.portable`)
+# The folder a portable save writes a tag into, and the one its tag's previous folder waits in while it is renamed
+PORTABLE_SAVING, PORTABLE_OLD = ".saving", ".old"
 
 
 def is_portable(folder: Path) -> bool:

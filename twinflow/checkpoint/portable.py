@@ -58,6 +58,8 @@ from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes, portable_staging
 from twinflow.checkpoint.checkpoint_files import PORTABLE_INFO as INFO
 from twinflow.checkpoint.checkpoint_files import (
+    PORTABLE_OLD,
+    PORTABLE_SAVING,
     CheckpointError,
     is_portable,
     make_dirs,
@@ -104,7 +106,7 @@ warnings.filterwarnings(
 # dcp.async_save takes a stager (the state is already in host memory) from torch 2.9 on; earlier ones would copy
 # the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
-SAVING, OLD = ".saving", ".old"
+SAVING, OLD = PORTABLE_SAVING, PORTABLE_OLD
 
 
 def remove_portable(folder: Path) -> None:

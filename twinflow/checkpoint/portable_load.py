@@ -2,7 +2,8 @@
 
 In two phases, so that a refused load changes nothing and host memory stays bounded:
 
-1. **Check** (every rank; if any refuses, every rank raises). DCP's planner plans this rank's reads over tensors
+1. **Check** (every rank; if any refuses, every rank raises). The tag, ``twinflow.pt``'s entries and the param
+   groups against the optimizer's (:mod:`.portable_checks`). DCP's planner plans this rank's reads over tensors
    of no memory: a key the model or the optimizer needs and the checkpoint lacks, or of another shape, is refused
    naming it. Every file those reads touch is checked against the checksums the save wrote
    (:mod:`.portable_sums`): a missing, truncated or damaged file is refused naming the file. For a TwinFlowAdam a
@@ -37,6 +38,7 @@ from twinflow.base.notice import notice
 from twinflow.checkpoint import portable_codes
 from twinflow.checkpoint.checkpoint_files import CheckpointError
 from twinflow.checkpoint.portable import INFO, OLD, dcp, is_portable, tag_of
+from twinflow.checkpoint.portable_checks import check_groups, check_info, check_step, tags_hint
 from twinflow.checkpoint.portable_codes import OWNED, moment_of
 from twinflow.checkpoint.portable_state import MODEL, OPTIM, gathered, host_tensor, names_of, planned_tensor
 from twinflow.checkpoint.portable_sums import THREADS, check_files, read_sums
@@ -123,13 +125,18 @@ class Folder:
     """The tag folder a load reads, its ``twinflow.pt``, and DCP's reads from it."""
 
     def __init__(self, directory: Path, tag: str | None) -> None:
-        self.tag = tag_of(directory, tag)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory} does not exist or is no folder: pass the one it was saved to")
+        try:
+            self.tag = tag_of(directory, tag)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; {tags_hint(directory)}") from exc
         folder = directory / self.tag
         if not folder.exists() and is_portable(directory / (self.tag + OLD)):  # died between a re-save's renames
             folder = directory / (self.tag + OLD)
         if not is_portable(folder):
             raise CheckpointError(f"{folder} holds no complete portable checkpoint ({INFO} and DCP's .metadata): "
-                                  "load another tag, or save it again")  # fmt: skip
+                                  f"save it again, or {tags_hint(directory)}")  # fmt: skip
         self.folder = folder
         try:  # its twinflow.pt, and DCP's index, read once for every read
             self.info = torch.load(folder / INFO, weights_only=True)
@@ -138,6 +145,7 @@ class Folder:
             why = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(f"{folder}: its {INFO} or DCP's .metadata cannot be read ({why}); nothing was "
                                   "changed: load another tag, or save it again") from exc  # fmt: skip
+        check_info(folder / INFO, self.info)
 
     def refused(self, exc: BaseException, changed: bool = False) -> CheckpointError:
         """The error of a read that failed (the last line of DCP's message kept)."""
@@ -156,7 +164,7 @@ class Folder:
             plan = planner.create_local_plan()
         except (RuntimeError, ValueError, KeyError) as exc:  # a key missing, or of another shape: DCP names it
             raise CheckpointError(f"checkpoint {self.tag!r} does not fit this run ({exc}); nothing was changed: "
-                                  "the model differs from the saved one") from exc  # fmt: skip
+                                  "build the model as it was saved, or load another checkpoint") from exc  # fmt: skip
         self.check_pieces(metadata.storage_data[item.storage_index] for item in plan.items)
 
     def check_pieces(self, pieces: Any) -> None:
@@ -243,16 +251,19 @@ def _agreed(what: Any, outcome: str) -> Any:
 def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer: Any, streamed: bool) -> _Checked:
     """Phase 1 (changes nothing): the tag, every parameter's state, DCP's plan and the files it reads; then the
     small part read (a TwinFlowAdam: the user's keys and the steps, checked), or everything (another optimizer)."""
-    at = Folder(directory, tag)
-    info = at.info
     names = names_of(model)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    # every rank's parameters' names -> their group (ZeRO-1: each rank's share); before anything that may raise
+    held = gathered({names[id(p)]: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]})
+    at = Folder(directory, tag)
+    info = at.info
     saved_groups = info["param_groups"]
     saved_names = {name for g in saved_groups for name in g["params"]}
     missing = sorted({names[id(p)] for p in params} - (saved_names & set(info["state_keys"])))
     if missing:
         raise CheckpointError(f"checkpoint {at.tag!r} has no optimizer state for {missing[:3]} (of {len(missing)}): "
                               "the model differs from the saved one")  # fmt: skip
+    check_groups(at.folder / INFO, at.tag, optimizer.param_groups, saved_groups, held)
     keys = [info["state_keys"][names[id(p)]] for p in params]
     for p, saved in zip(params, keys, strict=True):
         saved = {moment_of(k) for k in saved}  # noqa: PLW2901 (compact moments saved as codes and scales)
@@ -275,16 +286,10 @@ def _checked(directory: Path, tag: str | None, model: torch.nn.Module, optimizer
         at.read(read)
     for name, entry in read[OPTIM].items():
         if "step" in entry:
-            count = entry["step"].item()
-            if not (math.isfinite(count) and count >= 0 and count == int(count)):
-                raise CheckpointError(f"checkpoint {at.tag!r}: the step of {name} is {count}; expected a whole "
-                                      "number >= 0 (the file is damaged); nothing was changed")  # fmt: skip
-    group_of = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
-    index_of, groups = {id(p): i for i, p in enumerate(params)}, []
-    for g in optimizer.param_groups:
-        saved = saved_groups[group_of[names[id(g["params"][0])]]] if g["params"] else {}
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": [index_of[id(p)] for p in g["params"]]})  # fmt: skip
+            check_step(at.tag, name, entry["step"])
+    index_of = {id(p): i for i, p in enumerate(params)}
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [index_of[id(p)] for p in g["params"]]}
+              for g, saved in zip(optimizer.param_groups, saved_groups, strict=True)]  # fmt: skip
     return _Checked(at, model_now, params, names, keys, groups, read)
 
 
