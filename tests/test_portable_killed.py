@@ -212,6 +212,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "CUDA_VISIBLE_DEVICES": "",  # the children are forked: no CUDA there (DCP's writer asks for a stream on one)
     }
     child = subprocess.run([sys.executable, __file__, "one", str(root), json.dumps(JOBS)], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=900)  # fmt: skip
