@@ -197,7 +197,7 @@ def test_more_parameters_than_were_saved_are_refused_naming_them(tmp_path) -> No
 
 
 DAMAGES = {  # a change to twinflow.pt: what the refusal names
-    "lr_str": (lambda i: i["param_groups"][0].update(lr="0.01"), r"\]\[0\]\['lr'\] is '0.01'; expected a number"),
+    "lr_str": (lambda i: i["param_groups"][0].update(lr="0.01"), r"\]\[0\]\['lr'\] is '0.01'; expected one of"),
     "no_lr": (lambda i: i["param_groups"][0].pop("lr"), r"\['param_groups'\]\[0\]\['lr'\] is missing"),
     "betas_float": (lambda i: i["param_groups"][0].update(betas=0.9), r"\['betas'\] is 0.9; .* \(0.9, 0.999\)"),
     "weight_decay_none": (lambda i: i["param_groups"][0].update(weight_decay=None), r"\['weight_decay'\] is None"),
@@ -335,3 +335,19 @@ def test_the_engines_load_checkpoint_is_refused_and_changes_nothing(tmp_path, pr
         engine.load_checkpoint(tmp_path)
     _assert_unchanged(before, engine.module, engine.local_optimizer)
     assert (engine.global_steps, engine.micro_steps) == steps
+
+
+@pytest.mark.parametrize("flags", [{"foreach": False}, {"foreach": True}, {"fused": False}])
+def test_a_flag_saved_as_none_loads_where_the_optimizer_sets_it(tmp_path, flags: dict) -> None:
+    """torch's foreach and fused are Optional[bool]: saved None (its default), set here (HF Trainer's fused AdamW)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).square().mean().backward()
+    opt.step()
+    portable.save_portable(tmp_path, "t", model=model, optimizer=opt)
+    other = torch.nn.Linear(6, 3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=3e-3, **flags)
+    portable_load.load_portable(tmp_path, "t", model=other, optimizer=other_opt)
+    assert other.weight.equal(model.weight) and other_opt.param_groups[0]["lr"] == 1e-2
+    assert other_opt.state[other.weight]["exp_avg"].equal(opt.state[model.weight]["exp_avg"])

@@ -152,3 +152,36 @@ def test_an_unwritable_directory_is_named_with_the_fix_and_nothing_changes(tmp_p
     assert listing(tmp_path) == before
     (tmp_path / "ckpt").chmod(0o755)
     loads_as_saved(tmp_path / "ckpt", "old", weights, state, "fp32")
+
+
+@pytest.mark.parametrize("what", ["twinflow.pt", "latest"])
+def test_a_file_of_rank_0_that_cannot_be_written_fails_the_save_on_every_rank_and_leaves_the_previous_tag(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """twinflow.pt (written before DCP's collectives) and latest (after them) are rank 0's alone: their failure is
+    told to every rank, which would otherwise wait for rank 0 in the next collective."""
+    model, opt = built()
+    portable.save_portable(tmp_path, "old", model=model, optimizer=opt)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    train(model, opt, 2)
+    before = listing(tmp_path)
+    real, told = portable.write_atomic, []
+
+    def write_atomic(path: Path, write):  # noqa: ANN001, ANN202
+        if path.name == what:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, write)
+
+    monkeypatch.setattr(portable, "write_atomic", write_atomic)
+    real_gathered = portable.gathered
+    monkeypatch.setattr(portable, "gathered", lambda mine: told.append(mine) or real_gathered(mine))
+    with pytest.raises(OSError, match="No space left on device"):
+        portable.save_portable(tmp_path, "new", model=model, optimizer=opt)
+    assert any(any(isinstance(v, BaseException | str) for v in mine.values()) for mine in told)  # every rank told
+    monkeypatch.undo()
+    if what == "twinflow.pt":
+        assert listing(tmp_path) == before
+    else:  # the tag was in place when latest failed: complete, loadable by its name; latest names the old one
+        assert (tmp_path / "latest").read_text() == "old" and not list(tmp_path.glob("*.saving"))
+    loads_as_saved(tmp_path, "old", weights, state, "fp32")

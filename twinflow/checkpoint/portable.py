@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
@@ -123,11 +122,6 @@ def holds(directory: Path, tag: str | None) -> bool:
     return tag is not None and (is_portable(directory / tag) or is_portable(directory / (tag + OLD)))
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 class PendingSave:
     """A portable save still being written in the background (``save_portable(..., asynchronous=True)``): the
     tensors were copied out when it began, so training goes on and changes nothing in it. :meth:`wait` ends it:
@@ -164,9 +158,17 @@ def _finish(saving: Path, final: Path, last_write: Any) -> None:
         failed = exc
     failures = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
     others = {rank: why for rank, why in failures.items() if why is not None}
+    placed: BaseException | None = None
     if not others and rank_and_world()[0] == 0:
-        put_in_place(saving, final)
-    _barrier()
+        try:
+            put_in_place(saving, final)
+        except BaseException as exc:  # noqa: BLE001 (raised below on every rank: none waits for rank 0 alone)
+            placed = exc
+    place = gathered({rank_and_world()[0]: None if placed is None else f"{type(placed).__name__}: {placed}"})[0]
+    if placed is not None:
+        raise placed
+    if place is not None:
+        raise CheckpointError(f"the save of {final} failed on rank 0 as it put the tag in place ({place[:300]})")
     if failed is not None:
         raise failed
     if others:
@@ -278,23 +280,27 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     keys = gathered({name: sorted(entry) for name, entry in state[OPTIM].items()})  # refused before anything is made
     hyper = groups(model, optimizer)  # every rank's parameters' names: every rank takes part
     keys = {name: [] for group in hyper for name in group["params"]} | keys  # no state yet: a load starts it afresh
-    created = _make_room(directory, saving)
+
+    def write_info() -> None:  # rank 0, in the step every rank waits for
+        info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
+                "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": extra, "meta": meta, "sums": True, "tied": tied(model),
+                "model_keys": list(state[MODEL])}  # fmt: skip
+        write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
+
+    created = _make_room(directory, saving, write_info)
     try:
-        if rank == 0:
-            info = {"format": 1, "twinflow_version": __version__, "world_size": world, "param_groups": hyper,
-                    "state_keys": keys, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "extra": extra, "meta": meta, "sums": True, "tied": tied(model),
-                    "model_keys": list(state[MODEL])}  # fmt: skip
-            write_atomic(saving / INFO, lambda f: save_to_stream(info, f))
-        if asynchronous:
-            return _write_in_background(state, saving, final, start)
-        # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
-        planned = with_each(state, lambda deferred: deferred.placeholder)
-        writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: its file ends, it goes
-        planner = ReadWhenWritten(deferred(state), f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1))
-        dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
-        planner.meter.close()
-        _finish(saving, final, lambda: write_sums(saving, rank, world))  # the sums, once every rank's are written
+        if asynchronous:  # copied to host memory now, written by DCP's thread from here on
+            written = _write_in_background(state, saving)
+        else:
+            # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
+            planned = with_each(state, lambda deferred: deferred.placeholder)
+            writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: written, it goes
+            progress = f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1)
+            planner = ReadWhenWritten(deferred(state), progress)
+            dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)
+            planner.meter.close()
+            _finish(saving, final, lambda: write_sums(saving, rank, world))  # the sums, once every rank's are written
     except BaseException as exc:  # a full disk, Ctrl-C: nothing of this save stays, the previous tags as they were
         if rank == 0:
             shutil.rmtree(saving, ignore_errors=True)
@@ -306,6 +312,10 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         if cause is not exc:
             raise cause from exc
         raise
+    if asynchronous:  # the write is DCP's thread's now: a failure from here on is raised by its wait()
+        summed = _summing().submit(_then_sums, written, saving, rank, world)  # in the background as well
+        _pending.append(PendingSave(summed, saving, final, start))
+        return _pending[-1]
     notice("saved portable checkpoint %s (%d ranks) in %.1f s", final, world, time.perf_counter() - start)
     return final
 
@@ -339,10 +349,10 @@ def tidy(directory: Path) -> None:
             old.rename(tag)
 
 
-def _make_room(directory: Path, saving: Path) -> list[Path]:
-    """Rank 0 makes `directory` (and the parents it lacks) and `saving` in it, once what a killed save left there is
-    removed; returns the folders made above `saving`. A folder it may not write is refused on every rank, naming
-    the directory given and the fix, and what was made is removed."""
+def _make_room(directory: Path, saving: Path, write_info: Any) -> list[Path]:
+    """Rank 0 makes `directory` (and the parents it lacks) and `saving` in it, once what killed saves left there is
+    tidied, and runs `write_info`; returns the folders made above `saving`. Every rank waits for it and raises
+    what it met (a folder it may not write: named, with the fix); what it made is removed then."""
     created: list[Path] = []
     why = None
     if rank_and_world()[0] == 0:
@@ -350,26 +360,25 @@ def _make_room(directory: Path, saving: Path) -> list[Path]:
             created = make_dirs(directory)
             tidy(directory)
             saving.mkdir()
-        except OSError as exc:
+            write_info()
+        except Exception as exc:  # noqa: BLE001 (raised below on every rank)
+            shutil.rmtree(saving, ignore_errors=True)
             remove_created(created)
-            why = unwritable_error(exc, directory) or exc
+            why = (unwritable_error(exc, directory) if isinstance(exc, OSError) else None) or exc
     refused = gathered({rank_and_world()[0]: why})  # every rank waits for the folder, and raises what rank 0 met
     if any(refused.values()):
         raise next(exc for exc in refused.values() if exc is not None)
     return created
 
 
-def _write_in_background(state: dict[str, Any], saving: Path, final: Path, start: float) -> PendingSave:
-    """The state copied to host memory now (the deferred read: new tensors already), written by DCP's thread."""
-    rank, world = rank_and_world()
+def _write_in_background(state: dict[str, Any], saving: Path) -> Any:
+    """The state copied to host memory now (the deferred read: new tensors already), handed to DCP's thread to write;
+    returns DCP's future."""
     copy = _copies.stage(state)  # each tensor copied once, into what the last asynchronous save copied into
     writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)
-    future = dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
-                            storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
-                            planner=ReadWhenWritten({}))  # fmt: skip
-    summed = _summing().submit(_then_sums, future, saving, rank, world)  # in the background as well
-    _pending.append(PendingSave(summed, saving, final, start))
-    return _pending[-1]
+    return dcp.async_save(copy, checkpoint_id=saving, process_group=portable_staging.background_group(),
+                          storage_writer=writer, async_stager=portable_staging.AlreadyStaged(),
+                          planner=ReadWhenWritten({}))  # fmt: skip
 
 
 def latest_tag(directory: Path) -> str | None:

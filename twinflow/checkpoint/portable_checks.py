@@ -66,13 +66,15 @@ def check_info(path: Path, info: Any) -> None:
         _need(str(path), info, key, ok, expected)
     for i, group in enumerate(info["param_groups"]):
         _need(f"{path}['param_groups'][{i}]", group, "params", _names, "a list of parameter names")
-        _need(f"{path}['param_groups'][{i}]", group, "lr", _number, "a number")
     for name in info["state_keys"]:
         _need(f"{path}['state_keys']", info["state_keys"], name, _names, "a list of the state's keys")
 
 
 def _like(now: Any, saved: Any) -> bool:
-    """Whether a saved hyper-parameter is of the kind of the optimizer's own `now`: a bool, a number, numbers."""
+    """Whether a saved hyper-parameter is of the kind of the optimizer's own `now`: a bool, a number, numbers; None
+    where `now` is None or a bool (torch's flags are Optional[bool]: foreach=None saved, foreach=True now)."""
+    if now is None or (saved is None and isinstance(now, bool)):
+        return True
     if isinstance(now, tuple | list) and now and all(map(_number, now)):
         return isinstance(saved, tuple | list) and len(saved) == len(now) and all(map(_like, now, saved))
     return isinstance(saved, bool) if isinstance(now, bool) else not _number(now) or _number(saved)
@@ -91,7 +93,7 @@ def check_groups(path: Path, tag: str, groups: list[dict], saved: list[dict], he
                               f"group {saved_in.get(odd)} saved, {held.get(odd)} here); nothing was changed: build "
                               "the optimizer's param groups as saved, or load another checkpoint")  # fmt: skip
     for i, (now, then) in enumerate(zip(groups, saved, strict=True)):
-        for key in sorted(now.keys() & then.keys() - {"params"}):
+        for key in sorted((now.keys() & then.keys() | now.keys() & {"lr"}) - {"params"}):  # an lr: saved too
             _need(f"{path}['param_groups'][{i}]", then, key, lambda v, n=now[key]: _like(n, v),
                   f"one of the kind of this optimizer's {now[key]!r}")  # fmt: skip
 
