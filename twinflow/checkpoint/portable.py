@@ -148,27 +148,28 @@ class PendingSave:
         return self.final
 
 
+def _agreed(run: Any) -> tuple[BaseException | None, dict[int, str]]:
+    """Runs `run` on this rank, then every rank learns how each rank's went: (this rank's failure, or None; each
+    failing rank's, described)."""
+    failed = None
+    try:
+        run()
+    except BaseException as exc:  # noqa: BLE001 (the caller raises it, once every rank knows)
+        failed = exc
+    told = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
+    return failed, {rank: why for rank, why in told.items() if why is not None}
+
+
 def _finish(saving: Path, final: Path, last_write: Any) -> None:
     """Every rank runs `last_write` (its sums; in the background, what waits for them), then the ranks agree: only
     once every rank's succeeded does rank 0 put the tag in place; a failure on any rank raises on every rank."""
-    failed: BaseException | None = None
-    try:
-        last_write()
-    except BaseException as exc:  # noqa: BLE001 (raised below, once every rank has said how its write went)
-        failed = exc
-    failures = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
-    others = {rank: why for rank, why in failures.items() if why is not None}
-    placed: BaseException | None = None
-    if not others and rank_and_world()[0] == 0:
-        try:
-            put_in_place(saving, final)
-        except BaseException as exc:  # noqa: BLE001 (raised below on every rank: none waits for rank 0 alone)
-            placed = exc
-    place = gathered({rank_and_world()[0]: None if placed is None else f"{type(placed).__name__}: {placed}"})[0]
+    failed, others = _agreed(last_write)
+    rank0 = rank_and_world()[0] == 0
+    placed, place = _agreed(lambda: put_in_place(saving, final) if rank0 and not others else None)
     if placed is not None:
         raise placed
-    if place is not None:
-        raise CheckpointError(f"the save of {final} failed on rank 0 as it put the tag in place ({place[:300]})")
+    if place:  # rank 0 could not: none waits for it alone
+        raise CheckpointError(f"the save of {final} failed on rank 0 as it put the tag in place ({place[0][:300]})")
     if failed is not None:
         raise failed
     if others:
