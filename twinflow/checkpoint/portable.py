@@ -29,8 +29,10 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   previous tags loadable, and the next save removes what it left, or puts it back (:func:`tidy`). A save that fails
   (a full disk, Ctrl-C) removes what it wrote before it raises; a step half done, or a folder it may not write, is
   refused before anything is.
-- **Bounded memory at a synchronous save.** The optimizer's state is read a tensor at a time as DCP writes it,
-  each to a file of its own (:mod:`.portable_state`): the peak follows the largest tensor, not the model. An
+- **Bounded memory at a synchronous save.** The optimizer's state, and a weight on a GPU, is read a piece of rows
+  (96 MiB at most) at a time as DCP writes it, each to a file of its own (:mod:`.portable_state`): DCP's writer
+  holds two such pieces, which with a batch's scratch stay under one chunk (256 MiB) of float32, whatever the
+  model; the sums read 4 MiB a file at a time (:mod:`.portable_sums`). An
   asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
   keeps it for the next (:mod:`.portable_staging`: this rank's share of the checkpoint, until released).
 - **While offloaded.** After ``offload_states()`` (reinforcement learning's phases) the state, and the weights

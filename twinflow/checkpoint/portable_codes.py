@@ -124,43 +124,61 @@ def keeps_masters24(parts: list[Any]) -> bool:
     return bool(parts) and all(part.kind in (M24, RESIDUAL) for part in parts)
 
 
-def _flat(pieces: Any, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `pieces` (an iterable of tensors, on any device) one after another in flat host memory of `numel`
-    elements (`out`, else new): each copied once into its place."""
-    out, at = torch.empty(numel, dtype=dtype) if out is None else out, 0
-    for piece in pieces:
-        out[at : at + piece.numel()].copy_(piece.detach().reshape(-1))
-        at += piece.numel()
-    if at != numel or out.numel() != numel:
-        raise RuntimeError(f"{at} elements in pieces of {numel} (into {out.numel()}): a twinflow bug, please report it")
+def _flat(
+    pieces: Any, numel: int, dtype: torch.dtype, out: torch.Tensor | None, lo: int, hi: int | None
+) -> torch.Tensor:
+    """Elements [lo, hi) (hi None: to the end) of the `pieces` one after another, `numel` in all, in flat host
+    memory (`out`, else new): each piece is ``(n, get)``, `get(a, b)` its elements [a, b) (on any device), asked for
+    only where it overlaps and copied once into its place."""
+    hi = numel if hi is None else hi
+    out, at = torch.empty(hi - lo, dtype=dtype) if out is None else out, 0
+    for n, get in pieces:
+        a, b = max(at, lo), min(at + n, hi)
+        if a < b:
+            out[a - lo : b - lo].copy_(get(a - at, b - at).detach().reshape(-1))
+        at += n
+    if at != numel or out.numel() != hi - lo or not 0 <= lo <= hi <= numel:
+        raise RuntimeError(f"{at} elements in pieces of {numel}, [{lo}, {hi}) of them into {out.numel()}: a "
+                           "twinflow bug, please report it")  # fmt: skip
     return out
 
 
-def masters24_of(parts: list[Any], what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, in `out`, else new host memory) from the
-    owner's `parts` (the weight and its residual joined a batch at a time on their device: the int64 scratch
-    stays bounded)."""
-    lo = what == LO
+def _whole(t: torch.Tensor) -> tuple[int, Any]:
+    """A tensor as a piece of :func:`_flat`."""
+    return t.numel(), lambda a, b: t.reshape(-1)[a:b]
+
+
+def masters24_of(parts: list[Any], what: str, out: torch.Tensor | None = None, lo: int = 0,
+                 hi: int | None = None) -> torch.Tensor:  # fmt: skip
+    """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, in `out`, else new host memory), or their
+    elements [lo, hi), from the owner's `parts` (the weight and its residual joined a batch at a time on their
+    device, where asked for: the int64 scratch stays bounded)."""
+    low = what == LO
+
+    def joined(weight: torch.Tensor, residual: torch.Tensor, a: int) -> Any:
+        return lambda x, y: weight_master.join(weight[a + x : a + y], residual[a + x : a + y])[low]
 
     def pieces() -> Any:
         for part in parts:
             if part.kind == M24:
-                yield part.master[lo]
+                yield _whole(part.master[low])
                 continue
             weight, residual = part.master
             for a, b in compact.spans(weight.numel()):
-                yield weight_master.join(weight[a:b], residual[a:b])[lo]
+                yield b - a, joined(weight, residual, a)
 
-    return _flat(pieces(), sum(part.master[0].numel() for part in parts), torch.uint8 if lo else torch.bfloat16, out)
+    numel = sum(part.master[0].numel() for part in parts)
+    return _flat(pieces(), numel, torch.uint8 if low else torch.bfloat16, out, lo, hi)
 
 
-def codes_of(parts: list[Any], moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """This process's codes (flat) or block scales of `moment`, in `out` (else new host memory), from the owner's
-    `parts`."""
+def codes_of(parts: list[Any], moment: str, what: str, out: torch.Tensor | None = None, lo: int = 0,
+             hi: int | None = None) -> torch.Tensor:  # fmt: skip
+    """This process's codes (flat) or block scales of `moment`, or their elements [lo, hi), in `out` (else new host
+    memory), from the owner's `parts`."""
     which = list(MOMENTS).index(moment) * 2 + (what == SCALES)
     pieces = [part.codes[which] for part in parts]
     dtype = torch.uint8 if what == SCALES else MOMENTS[moment]
-    return _flat(pieces, sum(piece.numel() for piece in pieces), dtype, out)
+    return _flat([_whole(piece) for piece in pieces], sum(piece.numel() for piece in pieces), dtype, out, lo, hi)
 
 
 class BlockScales:

@@ -4,15 +4,17 @@ saves, each named by its parameter's name, and DCP's save planner that reads the
 
 - A tensor is saved as the logical tensor it is a piece of (FSDP2: a DTensor over the parameter's mesh).
 - TwinFlowAdam's moments and masters are :class:`_Deferred`: a placeholder over no memory that DCP plans from, read
-  (this process's elements, flat) when its piece is written, each to a file of its own; the peak of a synchronous
-  save follows the largest tensor, not the model. Compact moments go as their codes and block scales where every
-  rank's elements of a parameter start on a block (:mod:`.portable_codes`), else decoded.
+  (this process's elements, flat) when its piece is written, each to a file of its own, a large one in pieces of
+  rows (:class:`ReadWhenWritten`): the peak of a synchronous save is two such pieces, not the model. Compact
+  moments go as their codes and block scales where every rank's elements of a parameter start on a block
+  (:mod:`.portable_codes`), else decoded.
 - While ``offload_states()`` has the state in host memory, the optimizer's state owner reads it there, and the
   weights it moved are read from its host buffer (:func:`model_tensors`): the model's own tensors have no memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -28,12 +30,15 @@ from twinflow.optim.offload_states import where_now
 
 try:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover (torch >= 2.4 has them)
     DTensor = None
     DefaultSavePlanner = object
 
 MODEL, OPTIM = "model", "optim"
+PIECE_BYTES = 96 << 20  # at most this much of a tensor copied to be written at a time (see ReadWhenWritten)
 
 
 def names_of(model: torch.nn.Module) -> dict[int, str]:
@@ -94,9 +99,11 @@ def model_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return out
 
 
-def _read_view(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The elements of `view` flat: into `out` where given, else as they are (contiguous) or copied."""
-    return view.reshape(-1) if out is None else out.copy_(view.reshape(-1))
+def _read_view(view: torch.Tensor, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """The elements of `view` flat (or [lo, hi) of them): into `out` where given, else as they are (contiguous) or
+    copied."""
+    flat = view.reshape(-1)[lo:hi]
+    return flat if out is None else out.copy_(flat)
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -117,11 +124,11 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 class _Deferred:
-    """A parameter's moment, master or codes (`dtype`), read (`read(out=None)`: this process's elements, flat, in
-    new host memory or into `out`) only when DCP writes it, never through ``opt.state`` (state_dict()'s decoded
-    copies of compact state stayed there after the save, 12 bytes a parameter). With a file a tensor (DCP's writer
-    keeps a file's tensors until the file ends), a save holds one such tensor at a time. Stands in the state dict
-    as `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP plans."""
+    """A parameter's moment, master or codes (`dtype`), read (`read(out=None, lo=0, hi=None)`: this process's
+    elements, or [lo, hi) of them, flat, in new host memory or into `out`) only when DCP writes it, never through
+    ``opt.state`` (state_dict()'s decoded copies of compact state stayed there after the save, 12 bytes a
+    parameter); a piece of rows at a time where it is large (:class:`ReadWhenWritten`). Stands in the state dict as
+    `placeholder`: a logical tensor of the right shape and dtype over no memory, from which DCP plans."""
 
     def __init__(self, p: torch.Tensor, dtype: torch.dtype, read: Any) -> None:
         self.p, self.read = p, read
@@ -196,16 +203,16 @@ def _not_as_kept(p: torch.Tensor, parts: list[Any]) -> list[str]:
                                 ("m24", portable_codes.keeps_masters24(parts))) if not ok]  # fmt: skip
 
 
-def _read_decoded(owner: Any, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return owner.read(i, key, out)
+def _read_decoded(owner: Any, i: int, key: str, out: Any = None, lo: int = 0, hi: Any = None) -> torch.Tensor:
+    return owner.read(i, key, out, lo, hi)
 
 
-def _read_codes(owner: Any, i: int, moment: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return portable_codes.codes_of(owner.raw(i), moment, what, out)
+def _read_codes(owner: Any, i: int, moment: str, what: str, out: Any = None, lo: int = 0, hi: Any = None) -> Any:
+    return portable_codes.codes_of(owner.raw(i), moment, what, out, lo, hi)
 
 
-def _read_masters24(owner: Any, i: int, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    return portable_codes.masters24_of(owner.raw(i), what, out)
+def _read_masters24(owner: Any, i: int, what: str, out: Any = None, lo: int = 0, hi: Any = None) -> torch.Tensor:
+    return portable_codes.masters24_of(owner.raw(i), what, out, lo, hi)
 
 
 def _codes(p: torch.Tensor, owner: Any, i: int) -> dict[str, Any]:
@@ -237,13 +244,21 @@ def with_each(state: dict[str, dict[str, Any]], each: Any) -> dict[str, dict[str
 
 class ReadWhenWritten(DefaultSavePlanner):
     """DCP's default save planner, except that a :class:`_Deferred` is read when the writer asks for it, and the
-    bytes this rank writes are counted as they are asked for (`progress`: shown on the first rank, past a size)."""
+    bytes this rank writes are counted as they are asked for (`progress`: shown on the first rank, past a size).
+
+    What the save copies to host memory to write it (a :class:`_Deferred`, a tensor on a GPU) is written in pieces
+    of whole rows of at most :data:`PIECE_BYTES` (one row at least), each read when it is written: DCP's writer
+    holds the piece it writes while it reads the next, so a save holds two such pieces (192 MiB) and the scratch of
+    decoding or joining a batch (:data:`twinflow.precision.compact.COPY_ELEMENTS`: about 48 MiB) beyond the state,
+    under one chunk of float32 (256 MiB) whatever the model. A tensor already in host memory (an asynchronous
+    save's copy, another optimizer's state) is written as it is."""
 
     def __init__(self, deferred: dict[str, _Deferred | _DeferredScales], progress: str | None = None) -> None:
         super().__init__()
         self.deferred = deferred
         self.progress, self.meter = progress, NoProgress()
-        self.sizes: dict[str, int] = {}  # each key's bytes in this rank's plan
+        self.sizes: dict[tuple, int] = {}  # each item's bytes in this rank's plan, by (key, offsets)
+        self.rows: dict[tuple, tuple[int, int]] = {}  # a piece's local elements [a, b), by (key, offsets)
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
@@ -251,19 +266,52 @@ class ReadWhenWritten(DefaultSavePlanner):
         if unplanned:  # DCP named them otherwise: their placeholders (zeros) would be written instead
             raise RuntimeError(f"portable save: DCP planned no item for {sorted(unplanned)[:3]}; nothing was "
                                "written in place of the previous tag (a twinflow bug: please report it)")  # fmt: skip
-        return plan
+        self.plan = dataclasses.replace(plan, items=[piece for item in plan.items for piece in self._pieces(item)])
+        return self.plan
+
+    def _pieces(self, item: Any) -> list[Any]:
+        """`item` as its pieces of rows, where it is copied to be written (see the class) and larger than a piece."""
+        fqn, data = item.index.fqn, item.tensor_data
+        found = self.state_dict.get(fqn)
+        copied = fqn in self.deferred or (isinstance(found, torch.Tensor) and local(found).device.type != "cpu")
+        if data is None or not copied or len(data.chunk.sizes) == 0:
+            return [item]
+        sizes, offsets = list(data.chunk.sizes), list(data.chunk.offsets)
+        row = math.prod(sizes[1:])
+        per = max(1, PIECE_BYTES // max(1, row * data.properties.dtype.itemsize))
+        if sizes[0] <= per:
+            return [item]
+        pieces = []
+        for r in range(0, sizes[0], per):
+            n = min(per, sizes[0] - r)
+            at = torch.Size([offsets[0] + r, *offsets[1:]])
+            chunk = ChunkStorageMetadata(offsets=at, sizes=torch.Size([n, *sizes[1:]]))
+            self.rows[(fqn, tuple(at))] = (r * row, (r + n) * row)
+            pieces.append(WriteItem(index=MetadataIndex(fqn, at), type=WriteItemType.SHARD,
+                                    tensor_data=TensorWriteData(chunk=chunk, properties=data.properties,
+                                                                size=data.size)))  # fmt: skip
+        return pieces
 
     def finish_plan(self, new_plan: Any) -> Any:
         plan = super().finish_plan(new_plan)  # what this rank writes, once DCP has left out other ranks' copies
         for item, data in ((item, item.tensor_data) for item in plan.items if item.tensor_data is not None):
-            count = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-            self.sizes[item.index.fqn] = self.sizes.get(item.index.fqn, 0) + count
+            self.sizes[_key(item.index)] = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
         if self.progress is not None:
             self.meter = shown(sum(self.sizes.values()), self.progress, rank_and_world()[0] == 0)
         return plan
 
+    def resolve_data(self, write_item: Any) -> Any:
+        key = _key(write_item.index)
+        self.meter.update(self.sizes.pop(key, 0))  # asked for as it is written
+        rows = self.rows.get(key)
+        if rows is None:
+            return super().resolve_data(write_item)
+        sizes, deferred = write_item.tensor_data.chunk.sizes, self.deferred.get(key[0])
+        if deferred is not None:
+            return deferred.read(lo=rows[0], hi=rows[1]).view(sizes)
+        return local(self.state_dict[key[0]]).detach().reshape(-1)[rows[0] : rows[1]].cpu().view(sizes)
+
     def lookup_object(self, index: Any) -> Any:
-        self.meter.update(self.sizes.pop(index.fqn, 0))  # asked for as it is written
         deferred = self.deferred.get(index.fqn)
         if deferred is not None:
             return deferred.local()
@@ -276,6 +324,11 @@ class ReadWhenWritten(DefaultSavePlanner):
         # weight of a model on the GPU passed through it, OPT-13B's embeddings' piece too). Copied here instead, to
         # ordinary memory, let go once written.
         return found.cpu() if isinstance(found, torch.Tensor) and found.device.type != "cpu" else found
+
+
+def _key(index: Any) -> tuple:
+    """A write item's identity: its key and offsets (a tensor written in pieces has one item a piece)."""
+    return index.fqn, tuple(index.offset or ())
 
 
 def tied(model: torch.nn.Module) -> dict[str, str]:

@@ -21,16 +21,17 @@ from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint.checkpoint_files import CheckpointError, write_atomic
 
 SUMS = "twinflow.sums"
-READ = 64 << 20  # bytes read at a time: a sum holds no more than this
+READ = 4 << 20  # bytes read at a time, into one buffer a file: the sums hold THREADS such buffers (32 MiB at most)
 THREADS = max(1, min(8, len(allowed_cpus())))  # files summed at once (zlib and the reads let go of the interpreter)
 
 
 def file_sum(path: Path) -> int:
     """The CRC-32 of the file at `path`, read `READ` bytes at a time (zlib releases the interpreter meanwhile)."""
-    crc = 0
+    crc, block = 0, bytearray(READ)
+    view = memoryview(block)
     with open(path, "rb", buffering=0) as f:
-        while block := f.read(READ):
-            crc = zlib.crc32(block, crc)
+        while n := f.readinto(block):
+            crc = zlib.crc32(view[:n], crc)
     return crc
 
 

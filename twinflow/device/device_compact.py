@@ -148,12 +148,18 @@ class CompactDeviceState:
         return st.master is None and st.residual is None
 
     @torch.no_grad()
-    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A float32 copy, in host memory (into `out` if given), of parameter i's device elements of `key`,
-        decoded a batch at a time (the device holds one batch of float32 at most)."""
+    def read(
+        self, i: int, key: str, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None
+    ) -> torch.Tensor:
+        """A float32 copy, in host memory (into `out` if given), of parameter i's device elements of `key` (or
+        [lo, hi) of them), decoded a batch at a time (the device holds one batch of float32 at most)."""
         st = self.of[i]
-        out = torch.empty(st.seg.numel, dtype=F32) if out is None else out
+        hi = st.seg.numel if hi is None else hi
+        out = torch.empty(hi - lo, dtype=F32) if out is None else out
         for a, b in st.batches(compact.COPY_ELEMENTS):  # small batches: decoding's int64 scratch stays bounded
+            x, y = max(a, lo), min(b, hi)  # the part of this batch asked for
+            if x >= y:
+                continue
             codes = st.codes_of(a, b)
             if key == "master":
                 part = st.master_of(a, b)
@@ -161,7 +167,7 @@ class CompactDeviceState:
                 part = compact.decode_exp_avg(codes[0], codes[1])
             else:
                 part = compact.decode_exp_avg_sq(codes[2], codes[3])
-            out[a:b].copy_(part)
+            out[x - lo : y - lo].copy_(part[x - a : y - a])
         return out
 
     @torch.no_grad()

@@ -60,9 +60,13 @@ class DeviceState:
         """Parameter i's device elements of `key` (live)."""
         return getattr(self.of[i], key)
 
-    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Parameter i's device elements of `key`: the live view, or copied into `out` if given."""
-        return self.view(i, key) if out is None else out.copy_(self.view(i, key))
+    def read(
+        self, i: int, key: str, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None
+    ) -> torch.Tensor:
+        """Parameter i's device elements of `key` (or [lo, hi) of them): the live view, or copied into `out` if
+        given."""
+        view = self.view(i, key)[lo:hi]
+        return view if out is None else out.copy_(view)
 
     def raw(self, i: int) -> list[RawPart]:
         """Refused: fp32 state keeps no codes (:meth:`read` and :meth:`view` give it as kept)."""

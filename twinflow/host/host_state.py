@@ -60,9 +60,11 @@ class Fp32Codec:
         """Elements [lo, hi) of the first set's `key` buffer (a view)."""
         return self.buffers[KEYS.index(key)][lo:hi]
 
-    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int) -> None:
+    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int, hi: int) -> None:
         for pc in pieces:
-            out[pc.start - lo : pc.end - lo].copy_(self.sets[0][pc.id][KEYS.index(key)])
+            a, b = max(pc.start, lo), min(pc.end, hi)
+            if a < b:
+                out[a - lo : b - lo].copy_(self.sets[0][pc.id][KEYS.index(key)][a - pc.start : b - pc.start])
 
     def write(self, pieces: list[Piece], values: dict[str, torch.Tensor | None], lo: int) -> None:
         for key, value in values.items():
@@ -106,24 +108,28 @@ class Int8Codec:
     def field(self, key: str, lo: int, hi: int) -> torch.Tensor | None:
         return self.master[lo:hi] if key == "master" and isinstance(self.master, torch.Tensor) else None
 
-    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int) -> None:
-        """Decodes into `out` a batch at a time (its scratch bounded by compact.COPY_ELEMENTS, whatever the piece)."""
+    def read(self, pieces: list[Piece], key: str, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Decodes elements [lo, hi) into `out` a batch at a time (its scratch bounded by compact.COPY_ELEMENTS,
+        whatever the piece)."""
         decode = compact.decode_exp_avg if key == "exp_avg" else compact.decode_exp_avg_sq
         k, device = (0 if key == "exp_avg" else 2), self.convert_on()
         for pc in pieces:
             for a, b in compact.spans(pc.numel):  # each a at a block's start: the scales slice cleanly
+                x, y = max(pc.start + a, lo), min(pc.start + b, hi)  # the part of this batch asked for
+                if x >= y:
+                    continue
                 if key == "master":
-                    m = self.masters[pc.id][a:b]
+                    m = self.masters[pc.id][x - pc.start : y - pc.start]
                     part = m.float() if isinstance(m, compact.Master24) else m
                 else:
                     q = self.q8[pc.id]
                     codes, scales = q[k][a:b], q[k + 1][a // compact.BLOCK : compact.blocks(b)]
-                    part = decode(codes.to(device), scales.to(device))
-                out[pc.start - lo + a : pc.start - lo + b].copy_(part)
+                    part = decode(codes.to(device), scales.to(device))[x - pc.start - a : y - pc.start - a]
+                out[x - lo : y - lo].copy_(part)
 
     def read_all(self, pieces: list[Piece], key: str) -> torch.Tensor:
         out = torch.empty(sum(pc.numel for pc in pieces), dtype=torch.float32)
-        self.read(pieces, key, out, pieces[0].start)
+        self.read(pieces, key, out, pieces[0].start, pieces[-1].end)
         return out
 
     def write(self, pieces: list[Piece], values: dict[str, torch.Tensor | None], lo: int) -> None:
@@ -208,13 +214,16 @@ class HostState:
         return self.codec.field(key, base, base + end - start)
 
     @torch.no_grad()
-    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A float32 copy of parameter i's CPU elements of `key` (the first set: call :meth:`settle` first),
-        into `out` if given (flat, host memory), decoded a batch at a time."""
+    def read(
+        self, i: int, key: str, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None
+    ) -> torch.Tensor:
+        """A float32 copy of parameter i's CPU elements of `key` (the first set: call :meth:`settle` first), or of
+        its elements [lo, hi) of them, into `out` if given (flat, host memory), decoded a batch at a time."""
         start, end, _ = self.span[i]
-        out = torch.empty(end - start, dtype=torch.float32) if out is None else out
+        hi = end - start if hi is None else hi
+        out = torch.empty(hi - lo, dtype=torch.float32) if out is None else out
         with conversion_threads():
-            self.codec.read(self.pieces_of[i], key, out, start)
+            self.codec.read(self.pieces_of[i], key, out, start + lo, start + hi)
         return out
 
     @torch.no_grad()

@@ -66,8 +66,11 @@ class StateOwner(Protocol):
         """A live float32 view of parameter i's `key`, where one is kept, else None."""
         ...
 
-    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Parameter i's `key` in float32 (into `out` if given, flat, host memory)."""
+    def read(
+        self, i: int, key: str, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None
+    ) -> torch.Tensor:
+        """Parameter i's `key` in float32 (into `out` if given, flat, host memory): the elements it keeps, or those
+        [lo, hi) of them (counted from the first it keeps)."""
         ...
 
     def write(self, i: int, values: dict[str, torch.Tensor | None]) -> None:

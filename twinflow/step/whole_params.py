@@ -50,13 +50,18 @@ class WholeParams:
         sides = self.sides(i)
         return sides[0].view(i, key) if len(sides) == 1 and not self.offloaded else None
 
-    def read(self, i: int, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Parameter i's `key` in float32, host memory (into `out` if given), each side's share decoded straight
-        into it."""
-        out = torch.empty(self.locals[i].numel(), dtype=torch.float32) if out is None else out
+    def read(
+        self, i: int, key: str, out: torch.Tensor | None = None, lo: int = 0, hi: int | None = None
+    ) -> torch.Tensor:
+        """Parameter i's `key` in float32, host memory (into `out` if given), or its elements [lo, hi): each side's
+        share of them decoded straight into it."""
+        hi = self.locals[i].numel() if hi is None else hi
+        out = torch.empty(hi - lo, dtype=torch.float32) if out is None else out
         for side in self.sides(i):
             start, end = side.range(i)
-            side.read(i, key, out[start:end])
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                side.read(i, key, out[a - lo : b - lo], a - start, b - start)
         return out
 
     def write(self, i: int, values: dict[str, torch.Tensor | None]) -> None:
