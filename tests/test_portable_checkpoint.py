@@ -445,6 +445,9 @@ def test_extra_or_meta_the_load_could_not_read_is_refused_before_anything_is_wri
         portable.save_portable(tmp_path, "bad", model=model, optimizer=opt, extra={"epoch": 2, "rng": Opaque()})
     with pytest.raises(TypeError, match=r"meta= \(a dict\) cannot be saved.*weights_only"):
         portable.save_portable(tmp_path, "bad", model=model, optimizer=opt, meta={"obj": Opaque()})
+    for meta in ("a note", [1, 2], 3.5):  # read back fine, but a load takes a dict or None: refused at the save too
+        with pytest.raises(TypeError, match=rf"meta= is a {type(meta).__name__}; expected a dict .*or None"):
+            portable.save_portable(tmp_path, "bad", model=model, optimizer=opt, meta=meta)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]  # nothing of "bad" was written
     assert (tmp_path / "latest").read_text() == "good"
 

@@ -251,6 +251,9 @@ def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: An
     why = portable_codes.refused_key(names_of(model), optimizer)
     if why is not None:
         return ValueError(why)
+    if meta is not None and not isinstance(meta, dict):  # what a load takes (portable_checks.check_info)
+        return TypeError(f"meta= is a {type(meta).__name__}; expected a dict of plain values, or None: pass "
+                         f"meta={{'note': ...}}")  # fmt: skip
     try:
         if extra is not None:
             check_extra(extra)
