@@ -58,16 +58,16 @@ def arm(point: str, pieces: int = 3) -> None:
     """From now on this process SIGKILLs itself at `point` of the next portable save (`pieces`: the tensor DCP
     asks for that it dies at): the function the save calls there is wrapped, in this process only."""
     if point == "pieces":
-        lookup, asked = portable_state.ReadWhenWritten.lookup_object, []
+        resolve, asked = portable_state.ReadWhenWritten.resolve_data, []
 
-        def lookup_then_die(self: Any, index: Any) -> Any:
-            asked.append(index.fqn)
+        def resolve_then_die(self: Any, item: Any) -> Any:
+            asked.append(item.index.fqn)
             if len(asked) == pieces:
-                print(json.dumps({"killed_at": index.fqn}), flush=True)
+                print(json.dumps({"killed_at": item.index.fqn}), flush=True)
                 die()
-            return lookup(self, index)
+            return resolve(self, item)
 
-        portable_state.ReadWhenWritten.lookup_object = lookup_then_die
+        portable_state.ReadWhenWritten.resolve_data = resolve_then_die
     elif point == "sums":
         portable.write_sums = lambda *args: die()
     elif point in ("before_rename", "before_latest"):  # the rename of <tag>.saving to <tag>

@@ -5,7 +5,7 @@ Layout of ``save_portable(directory, tag, ...)``::
     directory/
       latest                   the newest complete tag (written last, atomically)
       <tag>/.metadata          DCP's index of every tensor's pieces (written last by DCP)
-      <tag>/__<r>_<i>.distcp   rank r's pieces, a file a tensor
+      <tag>/__<r>_<i>.distcp   rank r's pieces, a file a piece (a tensor, or its rows)
       <tag>/twinflow.pt        what is not a tensor of the model or the optimizer: hyper-parameters per group,
                                the scheduler, the caller's extra state and meta, the saving world's size, the
                                tied parameters' names, the model's keys in order
@@ -30,7 +30,7 @@ and in any ``state_precision`` (:mod:`.portable_load` hands the state to the opt
   (a full disk, Ctrl-C) removes what it wrote before it raises; a step half done, or a folder it may not write, is
   refused before anything is.
 - **Bounded memory at a synchronous save.** The optimizer's state, and a weight on a GPU, is read a piece of rows
-  (96 MiB at most) at a time as DCP writes it, each to a file of its own (:mod:`.portable_state`): DCP's writer
+  (64 MiB at most) at a time as DCP writes it, each to a file of its own (:mod:`.portable_state`): DCP's writer
   holds two such pieces, which with a batch's scratch stay under one chunk (256 MiB) of float32, whatever the
   model; the sums read 4 MiB a file at a time (:mod:`.portable_sums`). An
   asynchronous save copies the state to host memory first, into the copy the last one made where it fits, and
@@ -301,7 +301,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
         else:
             # .metadata last, once every rank's pieces are written; the deferred state read as each piece is written
             planned = with_each(state, lambda deferred: deferred.placeholder)
-            writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a tensor: written, it goes
+            writer = dcp.FileSystemWriter(saving, single_file_per_rank=False)  # a file a piece: written, it goes
             progress = f"writing checkpoint {tag!r}" + " (rank 0's share)" * (world > 1)
             planner = ReadWhenWritten(deferred(state), progress)
             dcp.save(planned, checkpoint_id=saving, storage_writer=writer, planner=planner)

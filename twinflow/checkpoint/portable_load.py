@@ -60,7 +60,7 @@ ADAM = ("step", "exp_avg", "exp_avg_sq")  # what a parameter's state needs, wher
 
 
 class MappedReader(FileSystemReader):
-    """DCP's file reader, except that a tensor alone in its file (the save's layout: a file a tensor) is mapped
+    """DCP's file reader, except that a piece alone in its file (the save's layout: a file a piece) is mapped
     (``torch.load(mmap=True)``) and copied from the page cache or the disk into its target once, on `threads`
     threads (default ``READ_THREADS``). DCP's own reader reads one file after another, each piece into a new
     tensor first, then copies it (1.7x the time of this at one thread, 268M parameters). Any other piece (a file
