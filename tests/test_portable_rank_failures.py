@@ -19,24 +19,12 @@ import errno, json, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from tests.test_portable_save_failures import make as made, train
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import portable, portable_load, portable_state
 
 rank, rendezvous, ckpt, what, failing = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
-
-def made(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(24, 96), torch.nn.GELU(), torch.nn.Linear(96, 6))
-
-def train(model, opt, seed, steps):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(8, 24, generator=gen)
-        F.mse_loss(model(x), x[:, :6]).backward()
-        opt.step()
-        opt.zero_grad()
 
 model = made(0)
 opt = TwinFlowAdam(model.parameters(), lr=1e-2, ratio=0.5)
