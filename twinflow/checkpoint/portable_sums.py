@@ -21,13 +21,13 @@ from twinflow.base.progress import NoProgress, shown
 from twinflow.checkpoint.checkpoint_files import CheckpointError, write_atomic
 
 SUMS = "twinflow.sums"
-READ = 4 << 20  # bytes read at a time, into one buffer a file: the sums hold THREADS such buffers (32 MiB at most)
+READ = 4 << 20  # bytes read at a time, into one buffer a file (no larger than it): THREADS such buffers at most
 THREADS = max(1, min(8, len(allowed_cpus())))  # files summed at once (zlib and the reads let go of the interpreter)
 
 
 def file_sum(path: Path) -> int:
     """The CRC-32 of the file at `path`, read `READ` bytes at a time (zlib releases the interpreter meanwhile)."""
-    crc, block = 0, bytearray(READ)
+    crc, block = 0, bytearray(max(1, min(READ, path.stat().st_size)))
     view = memoryview(block)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(block):
