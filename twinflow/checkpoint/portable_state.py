@@ -250,9 +250,9 @@ class ReadWhenWritten(DefaultSavePlanner):
     of whole rows of at most :data:`PIECE_BYTES` (one row at least), each read when it is written: DCP's writer
     holds the piece it writes while it reads the next, so a save holds two such pieces (128 MiB) and the scratch of
     decoding or joining a batch (:data:`twinflow.precision.compact.COPY_ELEMENTS`: about 48 MiB) beyond the state,
-    under one chunk of float32 (256 MiB) whatever the model (OPT-13B on two H200s, pieces of 96 MiB: 0.26-0.27 GiB
-    a rank in all). A tensor whose one row is larger than a piece goes a row at a time; one already in host memory
-    (an asynchronous save's copy, another optimizer's state) is written as it is."""
+    under one chunk of float32 (256 MiB) whatever the model (OPT-13B on two H200s: 0.19-0.21 GiB a rank in all;
+    0.26-0.27 with pieces of 96 MiB). A tensor whose one row is larger than a piece goes a row at a time; one
+    already in host memory (an asynchronous save's copy, another optimizer's state) is written as it is."""
 
     def __init__(self, deferred: dict[str, _Deferred | _DeferredScales], progress: str | None = None) -> None:
         super().__init__()
