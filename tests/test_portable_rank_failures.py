@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 RANK = r"""
-import errno, json, sys
+import errno, json, sys, threading
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -33,7 +33,13 @@ portable.save_portable(ckpt, "old", model=model, optimizer=opt)
 weights = [p.detach().clone() for p in model.parameters()]
 state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
 train(model, opt, 2, 2)
-full = OSError(errno.ENOSPC, "No space left on device")
+class Unpicklable(OSError):  # a failure that cannot be told to another rank as itself: it holds a lock
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lock = threading.Lock()
+
+full = (Unpicklable if what == "unpicklable" else OSError)(errno.ENOSPC, "No space left on device")
+what = "twinflow.pt" if what == "unpicklable" else what
 if rank == failing and what in ("twinflow.pt", "latest"):
     real = portable.write_atomic
     def write_atomic(path, write):
@@ -57,6 +63,7 @@ try:
     outcome["raised"] = None
 except BaseException as exc:
     outcome["raised"], outcome["message"] = type(exc).__name__, str(exc)
+    outcome["notes"] = getattr(exc, "__notes__", [])
 dist.barrier()
 other = made(5)
 other_opt = TwinFlowAdam(other.parameters(), lr=1e-2, ratio=0.5)
@@ -72,12 +79,14 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("failing", [0, 1], ids=["rank0", "rank1"])
-@pytest.mark.parametrize("what", ["twinflow.pt", "pieces", "latest"])
+@pytest.mark.parametrize("what", ["twinflow.pt", "pieces", "latest", "unpicklable"])
 def test_one_rank_that_cannot_write_fails_the_save_on_every_rank_and_the_previous_tag_loads(
     tmp_path: Path, what: str, failing: int
 ) -> None:
     """twinflow.pt and latest are rank 0's alone (rank 1 has none to fail); its pieces, any rank's. A rank that
-    waited for the failed one would hang in the next collective: the test would time out instead of passing."""
+    waited for the failed one would hang in the next collective: the test would time out instead of passing.
+    `unpicklable`: rank 0's twinflow.pt fails with an error that cannot be pickled; the other rank is told of it
+    by its description and raises a CheckpointError."""
     if what != "pieces" and failing == 1:
         pytest.skip("twinflow.pt and latest are written by rank 0 only")
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -94,8 +103,16 @@ def test_one_rank_that_cannot_write_fails_the_save_on_every_rank_and_the_previou
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     outcomes = [json.loads(log.strip().splitlines()[-1]) for log in logs]
     for outcome in outcomes:
-        assert outcome["raised"] is not None, outcome  # every rank raised: none went on as if the save was made
+        # every rank raised, the same type: a handler of it takes the failure on each rank alike (a rank going on
+        # alone would wait for the others at its next collective)
         assert "No space left on device" in outcome["message"], outcome
+        if outcome["rank"] == failing:
+            assert outcome["raised"] == ("Unpicklable" if what == "unpicklable" else "OSError"), outcome
+        elif what == "unpicklable":  # told by its description alone
+            assert outcome["raised"] == "CheckpointError" and "failed on rank 0" in outcome["message"], outcome
+        else:  # the failing rank's own error, with a note naming that rank
+            assert outcome["raised"] == "OSError", outcome
+            assert any(f"failed on rank {failing}" in note for note in outcome["notes"]), outcome
         assert outcome["latest"] == "old" and outcome["loads_as_saved"], outcome
     if what == "latest":  # the tag was in place when latest failed: complete, loadable by its name
         assert outcomes[0]["left"] == ["latest", "new", "old"]

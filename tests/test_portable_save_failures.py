@@ -137,6 +137,30 @@ def test_a_save_that_fails_part_way_leaves_the_previous_tag_as_it_was_and_nothin
     loads_as_saved(tmp_path, "new", weights, state, precision)
 
 
+@pytest.mark.skipif(not portable.ASYNC_SAVE, reason="an asynchronous save needs torch >= 2.9")
+@pytest.mark.parametrize("how", ["disk_full", "ctrl_c"])
+def test_an_asynchronous_save_that_fails_raises_the_error_itself_at_its_wait(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The write fails on DCP's thread: wait() raises the error itself (an OSError, a KeyboardInterrupt), not DCP's
+    CheckpointException (a BaseException: ``except Exception`` missed it, and a full disk was not an OSError);
+    latest and the previous tag stay as they were, and the next save removes what the failed one left."""
+    model, opt = built()
+    portable.save_portable(tmp_path, "old", model=model, optimizer=opt)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    train(model, opt, 2)
+    Stop(monkeypatch, OSError(errno.ENOSPC, "No space left on device") if how == "disk_full" else KeyboardInterrupt())
+    pending = portable.save_portable(tmp_path, "new", model=model, optimizer=opt, asynchronous=True)
+    with pytest.raises(OSError if how == "disk_full" else KeyboardInterrupt) as caught:
+        pending.wait()
+    assert how != "disk_full" or caught.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    loads_as_saved(tmp_path, "old", weights, state, "fp32")
+    portable.save_portable(tmp_path, "again", model=model, optimizer=opt)  # removes the failed save's folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "latest", "old"]
+
+
 @pytest.mark.parametrize("fresh", [True, False], ids=["new_directory", "existing_directory"])
 def test_an_unwritable_directory_is_named_with_the_fix_and_nothing_changes(tmp_path, unwritable, fresh: bool) -> None:
     model, opt = built()
@@ -184,7 +208,8 @@ def test_a_file_of_rank_0_that_cannot_be_written_fails_the_save_on_every_rank_an
     monkeypatch.setattr(portable, "gathered", lambda mine: told.append(mine) or real_gathered(mine))
     with pytest.raises(OSError, match="No space left on device"):
         portable.save_portable(tmp_path, "new", model=model, optimizer=opt)
-    assert any(any(isinstance(v, BaseException | str) for v in mine.values()) for mine in told)  # every rank told
+    # every rank told: the failure described, and pickled to be raised as itself there
+    assert any(any(isinstance(v, tuple) and "No space left" in v[0] for v in mine.values()) for mine in told)
     monkeypatch.undo()
     if what == "twinflow.pt":
         assert listing(tmp_path) == before

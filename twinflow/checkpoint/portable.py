@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import pickle
 import shutil
 import time
 import warnings
@@ -150,16 +151,46 @@ class PendingSave:
         return self.final
 
 
-def _agreed(run: Any) -> tuple[BaseException | None, dict[int, str]]:
+def _agreed(run: Any) -> tuple[BaseException | None, dict[int, tuple[str, bytes | None]]]:
     """Runs `run` on this rank, then every rank learns how each rank's went: (this rank's failure, or None; each
-    failing rank's, described)."""
+    failing rank's, told as :func:`_told`)."""
     failed = None
     try:
         run()
     except BaseException as exc:  # noqa: BLE001 (the caller raises it, once every rank knows)
         failed = exc
-    told = gathered({rank_and_world()[0]: None if failed is None else f"{type(failed).__name__}: {failed}"})
+    told = gathered({rank_and_world()[0]: None if failed is None else _told(failed)})
     return failed, {rank: why for rank, why in told.items() if why is not None}
+
+
+def _told(exc: BaseException) -> tuple[str, bytes | None]:
+    """A failure as another rank is told of it: described, and pickled where it comes back from its pickle (a
+    failure that could not be pickled must not fail the gathering that tells it)."""
+    try:
+        pickled = pickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 (told by its description alone)
+        pickled = None
+    return f"{type(exc).__name__}: {exc}"[:300], pickled
+
+
+def _of_rank(rank: int, failure: BaseException | tuple[str, bytes | None], final: Path, doing: str) -> BaseException:
+    """What this rank raises for `rank`'s failure `doing` (an exception, or as :func:`_told`): that failure itself,
+    with a note naming the rank, so that every rank raises the same type and a handler of it (``except OSError``)
+    takes the failure on every rank alike (a rank going on alone waits for the others at its next collective);
+    a CheckpointError describing it where it cannot be rebuilt or take a note (Python < 3.11)."""
+    error, described = failure, f"{type(failure).__name__}: {failure}"
+    if isinstance(failure, tuple):
+        described, pickled = failure
+        try:
+            error = pickle.loads(pickled) if pickled is not None else None
+        except Exception:  # noqa: BLE001 (described instead)
+            error = None
+    where = f"the save of {final} failed on rank {rank} {doing}"
+    if not isinstance(error, BaseException) or not hasattr(error, "add_note"):
+        return CheckpointError(f"{where} ({described}); the previous tags are as they were")
+    error.add_note(f"{where}, raised here on rank {rank_and_world()[0]} too; the previous tags are as they were")
+    return error
 
 
 def _finish(saving: Path, final: Path, last_write: Any) -> None:
@@ -171,14 +202,16 @@ def _finish(saving: Path, final: Path, last_write: Any) -> None:
     if placed is not None:
         raise placed
     if place:  # rank 0 could not: none waits for it alone
-        raise CheckpointError(f"the save of {final} failed on rank 0 as it put the tag in place ({place[0][:300]})")
-    if failed is not None:
+        raise _of_rank(0, place[0], final, "as it put the tag in place")
+    if failed is not None:  # DCP's background write raises its CheckpointException: raised as what it wraps
+        cause = _cause(failed, final)
+        if cause is not failed:
+            raise cause from failed
         raise failed
     if others:
         rank, why = min(others.items())
-        raise CheckpointError(f"the save of {final} failed on rank {rank} ({why[:300]}); nothing was put in place and "
-                              f"the previous tags are as they were ({saving.name} is removed by the next save at the "
-                              "latest)")  # fmt: skip
+        raise _of_rank(rank, why, final, f"as it summed its files (nothing was put in place; {saving.name} is "
+                                         "removed by the next save at the latest)")  # fmt: skip
 
 
 _pending: list[PendingSave] = []  # this process's asynchronous saves not yet waited for
@@ -328,7 +361,8 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
 
 def _cause(exc: BaseException, final: Path) -> BaseException:
     """DCP's CheckpointException (a BaseException, which ``except Exception`` misses) as the error it wraps: this
-    rank's own (Ctrl-C stays a KeyboardInterrupt, a full disk an OSError), else the first failing rank's, named."""
+    rank's own (Ctrl-C stays a KeyboardInterrupt, a full disk an OSError), else the first failing rank's, noted
+    as that rank's (:func:`_of_rank`)."""
     failures = exc.failures if CheckpointException is not None and isinstance(exc, CheckpointException) else None
     if not failures:
         return exc
@@ -336,8 +370,7 @@ def _cause(exc: BaseException, final: Path) -> BaseException:
     if rank in failures:
         return failures[rank][0]
     first, (error, _) = min(failures.items(), key=lambda item: item[0])
-    return CheckpointError(f"the save of {final} failed: rank {first} could not write its pieces "
-                           f"({type(error).__name__}: {error}); the previous tags are as they were")  # fmt: skip
+    return _of_rank(first, error, final, "as it wrote its pieces")
 
 
 def tidy(directory: Path) -> None:
@@ -371,9 +404,11 @@ def _make_room(directory: Path, saving: Path, write_info: Any) -> list[Path]:
             shutil.rmtree(saving, ignore_errors=True)
             remove_created(created)
             why = (unwritable_error(exc, directory) if isinstance(exc, OSError) else None) or exc
-    refused = gathered({rank_and_world()[0]: why})  # every rank waits for the folder, and raises what rank 0 met
-    if any(refused.values()):
-        raise next(exc for exc in refused.values() if exc is not None)
+    told = gathered({rank_and_world()[0]: None if why is None else _told(why)})  # every rank waits for the folder
+    if why is not None:
+        raise why
+    if told.get(0) is not None:  # and raises what rank 0 met
+        raise _of_rank(0, told[0], saving.with_name(saving.name[: -len(SAVING)]), "as it made the tag's folder")
     return created
 
 
