@@ -231,15 +231,17 @@ class _Checked:
 
 
 def _agreed(what: Any, outcome: str) -> Any:
-    """what() on every rank (every rank calls the load); if it raised a CheckpointError on any rank, every rank
-    raises: the others name the first rank that refused and say `outcome`."""
+    """what() on every rank (every rank calls the load); if it raised on any rank (a refusal, or another error: a
+    file that rank may not read), every rank raises: that rank its error, the others a CheckpointError naming the
+    first rank that failed and saying `outcome` (none is left waiting for the failed one at the gathering)."""
     result, failed = None, None
     try:
         result = what()
-    except CheckpointError as exc:
+    except Exception as exc:  # noqa: BLE001 (raised below, once every rank knows)
         failed = exc
-    refusals = {r: why for r, why in gathered({rank_and_world()[0]: None if failed is None else str(failed)}).items()
-                if why is not None}  # fmt: skip
+    told = None if failed is None else str(failed) if isinstance(failed, CheckpointError) else (
+        f"{type(failed).__name__}: {failed}")  # fmt: skip
+    refusals = {r: why for r, why in gathered({rank_and_world()[0]: told}).items() if why is not None}
     if failed is not None:
         raise failed
     if refusals:
