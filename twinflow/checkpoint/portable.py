@@ -71,6 +71,7 @@ from twinflow.checkpoint.checkpoint_files import (
     unwritable_error,
     write_atomic,
 )
+from twinflow.checkpoint.portable_checks import ENTRIES
 from twinflow.checkpoint.portable_state import (
     MODEL,
     OPTIM,
@@ -284,7 +285,7 @@ def _refusal(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: An
     why = portable_codes.refused_key(names_of(model), optimizer)
     if why is not None:
         return ValueError(why)
-    if meta is not None and not isinstance(meta, dict):  # what a load takes (portable_checks.check_info)
+    if not ENTRIES["meta"][0](meta):  # the rule a load checks it by
         return TypeError(f"meta= is a {type(meta).__name__}; expected a dict of plain values, or None: pass "
                          f"meta={{'note': ...}}")  # fmt: skip
     try:

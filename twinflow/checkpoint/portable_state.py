@@ -259,7 +259,7 @@ class ReadWhenWritten(DefaultSavePlanner):
         self.deferred = deferred
         self.progress, self.meter = progress, NoProgress()
         self.sizes: dict[tuple, int] = {}  # each item's bytes in this rank's plan, by (key, offsets)
-        self.rows: dict[tuple, tuple[int, int]] = {}  # a piece's local elements [a, b), by (key, offsets)
+        self.rows: dict[tuple, int] = {}  # a piece's first row of this rank's tensor, by (key, offsets)
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
@@ -287,7 +287,7 @@ class ReadWhenWritten(DefaultSavePlanner):
             n = min(per, sizes[0] - r)
             at = torch.Size([offsets[0] + r, *offsets[1:]])
             chunk = ChunkStorageMetadata(offsets=at, sizes=torch.Size([n, *sizes[1:]]))
-            self.rows[(fqn, tuple(at))] = (r * row, (r + n) * row)
+            self.rows[(fqn, tuple(at))] = r
             pieces.append(WriteItem(index=MetadataIndex(fqn, at), type=WriteItemType.SHARD,
                                     tensor_data=TensorWriteData(chunk=chunk, properties=data.properties,
                                                                 size=data.size)))  # fmt: skip
@@ -304,14 +304,14 @@ class ReadWhenWritten(DefaultSavePlanner):
     def resolve_data(self, write_item: Any) -> Any:
         key = _key(write_item.index)
         self.meter.update(self.sizes.pop(key, 0))  # asked for as it is written
-        rows = self.rows.get(key)
-        if rows is None:
+        first = self.rows.get(key)
+        if first is None:
             return super().resolve_data(write_item)
         sizes, deferred = write_item.tensor_data.chunk.sizes, self.deferred.get(key[0])
-        if deferred is not None:
-            return deferred.read(lo=rows[0], hi=rows[1]).view(sizes)
-        first = rows[0] // max(1, math.prod(sizes[1:]))  # its rows of the tensor, narrowed (no copy of the rest)
-        return local(self.state_dict[key[0]]).detach().narrow(0, first, sizes[0]).cpu().contiguous()
+        if deferred is not None:  # its elements [lo, hi) of this rank's, flat
+            lo = first * math.prod(sizes[1:])
+            return deferred.read(lo=lo, hi=lo + math.prod(sizes)).view(sizes)
+        return local(self.state_dict[key[0]]).detach().narrow(0, first, sizes[0]).cpu().contiguous()  # its rows
 
     def lookup_object(self, index: Any) -> Any:
         deferred = self.deferred.get(index.fqn)
