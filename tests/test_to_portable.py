@@ -1,46 +1,63 @@
 """A per-rank checkpoint rewritten in the portable format (twinflow.checkpoint.to_portable, ``python -m
 twinflow.convert CKPT TAG --to-portable OUT``): it resumes the run that saved it exactly on as many processes, and
-on another number of processes as a portable save does; a conversion that fails leaves nothing behind."""
+on another number of processes as a portable save does; a conversion that fails leaves nothing behind. The per-rank
+checkpoints are the ones 9bd2b3e wrote (tests/per_rank_fixture.py), with the state they saved and the losses of the
+run continued after the save."""
 
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-import twinflow
-from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, strip_layout, train
+from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, train
+from tests.per_rank_fixture import (
+    BF16,
+    NAME,
+    TWO_RANKS,
+    Spare,
+    batchnorm_net,
+    chunked_net,
+    chunked_optimizer,
+    engine,
+    schedule,
+    sgd,
+    sgd_net,
+    state,
+    two_ranks,
+)
+from tests.per_rank_fixture import train_bf16 as _train_bf16
 from tests.test_checkpoint_compat import FIXTURES
 from tests.test_portable_checkpoint import _launch
-from twinflow import TwinFlowAdam
-from twinflow.checkpoint import (
-    CheckpointError,
-    compact_checkpoint,
-    load_portable,
-    portable,
-    rank_shard,
-    save_checkpoint,
-    to_portable,
-)
+from twinflow.checkpoint import CheckpointError, compact_checkpoint, load_portable, portable, rank_shard, to_portable
 from twinflow.checkpoint.convert_cli import main as convert_main
 
-
-def _engine(precision: str, seed: int):  # noqa: ANN202 (the engine)
-    engine, *_ = twinflow.initialize(model=model(seed=seed), config=config(precision))
-    return engine
+WRITTEN = Path(__file__).with_name("data") / NAME
 
 
-def _state(engine) -> dict:  # noqa: ANN001
-    """The optimizer's state and the model's weights, copied."""
-    sd = engine.local_optimizer.state_dict()
-    state = {(i, k): v.clone() if isinstance(v, torch.Tensor) else v
-             for i, e in sd["state"].items() for k, v in e.items()}  # fmt: skip
-    return state | {k: v.clone() for k, v in engine.module.state_dict().items()}
+@pytest.fixture
+def fixture(tmp_path: Path) -> Callable[[str], Path]:
+    """``fixture(name)``: a copy of the written fixture `name` in tmp_path (a conversion or load may write beside
+    the source; the fixture stays as written)."""
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(WRITTEN / name, tmp_path / name))
+
+    return copy
+
+
+def _record(folder: Path) -> dict:
+    return json.loads((folder / "record.json").read_text())
+
+
+def _saved(folder: Path) -> dict:
+    """The state the run had when it saved, as ``state`` copied it."""
+    return torch.load(folder / "state.pt", weights_only=True)
 
 
 def _equal(a: dict, b: dict) -> None:
@@ -52,79 +69,90 @@ def _equal(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+def _same(a: dict, b: dict) -> bool:
+    equal = [torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k] for k, v in a.items() if k in b]
+    return a.keys() == b.keys() and all(equal)
+
+
+def _computes_as_written(written: Path, made, train_fn=train) -> bool:  # noqa: ANN001
+    """Whether `made` (the fixture's engine, as made before its run), trained here as the fixture's run was before
+    its save, comes to the saved state bit for bit: this machine then sums and rounds as the one that wrote it."""
+    train_fn(made, batches()[:BEFORE])
+    return _same(state(made), _saved(written))
+
+
+def _goes_on_as_recorded(losses: list[float], recorded: list[float], exact: bool) -> None:
+    """Bit for bit where this machine computes as the one that wrote the fixture; elsewhere (another kernel path or
+    BLAS: CI runs the lower kernel paths, torch's capped to theirs) the same state goes on through other sums and
+    roundings: 1e-4 (a state loaded wrongly is off by a percent; the state itself is compared bit for bit)."""
+    if exact:
+        assert losses == recorded
+    else:
+        assert losses == pytest.approx(recorded, rel=1e-4, abs=0)
+
+
+def _resumed_as_saved(resumed, written: Path) -> None:  # noqa: ANN001
+    """The state and weights, step count, hyper-parameters and scheduler of the save, bit for bit."""
+    record = _record(written)
+    assert resumed.global_steps == record["global_steps"] and schedule(resumed) == record["schedule"]
+    _equal(state(resumed), _saved(written))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_converted_checkpoint_resumes_the_run_that_saved_it_exactly(tmp_path, monkeypatch, precision: str) -> None:
+def test_a_converted_checkpoint_resumes_the_run_that_saved_it_exactly(fixture, monkeypatch, precision: str) -> None:
     """One process: the converted checkpoint loads the state and weights of the save bit for bit (compact state:
     decoded, then encoded again on the same blocks), and the resumed run goes on as the saving run did. Each tensor
     is written in pieces of a few rows (CHUNK made small), as a model too large for memory is."""
     monkeypatch.setattr(to_portable, "CHUNK", 100)
-    data = batches()
-    engine = _engine(precision, seed=0)
-    train(engine, data[:BEFORE])
-    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
-    saved = _state(engine)
-    continued = train(engine, data[BEFORE:])
-    assert convert_main([str(tmp_path / "ckpt"), "a", "--to-portable", str(tmp_path / "out")]) == 0
-    folder = tmp_path / "out" / "a"
-    assert portable.holds(tmp_path / "out", None) and (tmp_path / "out" / "latest").read_text() == "a"
+    written = fixture(precision)
+    record, out = _record(written), written.parent / "out"
+    assert convert_main([str(written / "ckpt"), "a", "--to-portable", str(out)]) == 0
+    folder = out / "a"
+    assert portable.holds(out, None) and (out / "latest").read_text() == "a"
     pieces = dcp_pieces(folder)
     assert max(pieces.values()) > 1  # the 48 x 24 weights' state went in pieces of rows
     keys = torch.load(folder / "twinflow.pt", weights_only=True)["state_keys"]
     assert all(("exp_avg.codes" in k) == (precision != "fp32") for k in keys.values())  # compact: as kept
-    resumed = _engine(precision, seed=3)
-    path, _ = resumed.load_checkpoint(tmp_path / "out")
-    assert path == folder and resumed.global_steps == engine.global_steps - len(data[BEFORE:]) // 2
-    _equal(_state(resumed), saved)
-    assert train(resumed, data[BEFORE:]) == continued
+    resumed = engine(precision, seed=3)
+    path, _ = resumed.load_checkpoint(out)
+    assert path == folder
+    _resumed_as_saved(resumed, written)
+    exact = _computes_as_written(written, engine(precision, seed=0))
+    _goes_on_as_recorded(train(resumed, batches()[BEFORE:]), record["continued"], exact)
 
 
-def _train_bf16(engine, data: list) -> list[float]:  # noqa: ANN001
-    losses = []
-    for x, y in data:
-        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def test_24_bit_masters_go_as_kept_and_come_back_bit_for_bit(tmp_path) -> None:
+def test_24_bit_masters_go_as_kept_and_come_back_bit_for_bit(fixture) -> None:
     """bf16 weights with int8_m24 state: each master is written as its two parts (5 bytes a parameter with the
     codes, as a portable save writes it), and the resumed run goes on exactly."""
-    data, train = batches(), _train_bf16
-    settings = config("int8_m24") | {"bf16": {"enabled": True}}
-    engine, *_ = twinflow.initialize(model=model(seed=0), config=settings)
-    train(engine, data[:BEFORE])
-    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
-    saved = _state(engine)
-    continued = train(engine, data[BEFORE:])
-    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
-    keys = torch.load(tmp_path / "out" / "a" / "twinflow.pt", weights_only=True)["state_keys"]
+    written = fixture(BF16)
+    out = written.parent / "out"
+    to_portable.to_portable(written / "ckpt", "a", out)
+    keys = torch.load(out / "a" / "twinflow.pt", weights_only=True)["state_keys"]
     assert all({"master.hi", "master.lo", "exp_avg.codes", "exp_avg_sq.scales"} <= set(k) for k in keys.values())
-    resumed, *_ = twinflow.initialize(model=model(seed=3), config=settings)
-    resumed.load_checkpoint(tmp_path / "out")
-    _equal(_state(resumed), saved)
-    assert train(resumed, data[BEFORE:]) == continued
+    resumed = engine("int8_m24", seed=3, bf16=True)
+    resumed.load_checkpoint(out)
+    _resumed_as_saved(resumed, written)
+    exact = _computes_as_written(written, engine("int8_m24", seed=0, bf16=True), _train_bf16)
+    _goes_on_as_recorded(_train_bf16(resumed, batches()[BEFORE:]), _record(written)["continued"], exact)
 
 
-def test_the_converted_checkpoint_converts_to_the_same_adamw_state_and_hub_weights(tmp_path) -> None:
-    """Its AdamW state dict and safetensors (the portable converters) hold what the per-rank converters give the
-    source: the same float32 moments, 24-bit masters decoded exactly, the same weights."""
+def test_the_converted_checkpoint_converts_to_the_same_adamw_state_and_hub_weights(fixture) -> None:
+    """Its AdamW state dict and safetensors (the portable converters) hold what the per-rank converters gave the
+    source when it was written: the same float32 moments, 24-bit masters decoded exactly, the same weights."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    settings = config("int8_m24") | {"bf16": {"enabled": True}}
-    engine, *_ = twinflow.initialize(model=model(seed=0), config=settings)
-    _train_bf16(engine, batches()[:BEFORE])
-    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
-    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
-    for directory, name in ((tmp_path / "ckpt", "per_rank"), (tmp_path / "out", "portable")):
-        args = [str(directory), "a", str(tmp_path / f"{name}.pt"), "--safetensors", str(tmp_path / name)]
-        assert convert_main(args) == 0
-    direct, converted = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("per_rank", "portable"))
+    written = fixture(BF16)
+    out = written.parent / "out"
+    to_portable.to_portable(written / "ckpt", "a", out)
+    args = [str(out), "a", str(out.parent / "portable.pt"), "--safetensors", str(out.parent / "portable")]
+    assert convert_main(args) == 0
+    direct = torch.load(written / "adamw.pt", weights_only=True)
+    converted = torch.load(out.parent / "portable.pt", weights_only=True)
     assert direct["param_groups"] == converted["param_groups"] and direct["state"].keys() == converted["state"].keys()
     for i, entry in direct["state"].items():
         assert entry.keys() == converted["state"][i].keys() and "master" in entry
         assert all(torch.equal(v, converted["state"][i][k]) for k, v in entry.items()), i
-    weights = [safetensors_torch.load_file(tmp_path / n / "model.safetensors") for n in ("per_rank", "portable")]
+    paths = (written / "hub" / "model.safetensors", out.parent / "portable" / "model.safetensors")
+    weights = [safetensors_torch.load_file(path) for path in paths]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(v, weights[1][k]) for k, v in weights[0].items())
 
 
@@ -136,13 +164,14 @@ def dcp_pieces(folder: Path) -> dict[str, int]:
     return {fqn: len(md.chunks) for fqn, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
 
 
-@pytest.mark.parametrize("stage, precision", [(3, "fp32"), (3, "int8_m24"), (1, "fp32"), (0, "int8_m24")])
-def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(tmp_path, monkeypatch, stage: int,
+@pytest.mark.parametrize("stage, precision", TWO_RANKS)
+def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(fixture, monkeypatch, stage: int,
                                                                               precision: str) -> None:  # fmt: skip
     """FSDP2 (stage 3: each rank's shard holds its rows), ZeRO-1 (each rank the state of its parameters), DDP:
     merged by the shards' layout. On two ranks the run continues bit for bit; on one as a portable save's does."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    first = _launch(tmp_path, "saved", 2, stage, precision, 0.5, "--save", str(ckpt), "--per-rank")
+    written = fixture(two_ranks(stage, precision))
+    tmp_path, first = written.parent, _record(written)
+    ckpt, out = written / "ckpt", tmp_path / "out"
     assert (ckpt / "moved" / "rank1.pt").is_file()
     kept, close = [], rank_shard.RankShard.close
 
@@ -159,7 +188,10 @@ def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(t
     assert any("exp_avg.codes" in k for k in keys.values()) == (precision == "int8_m24" and stage != 3)
     again = _launch(tmp_path, "two", 2, stage, precision, 0.5, "--load", str(out))
     assert again["global_steps"] == len(first["before"])
-    assert again["after"] == first["after"]
+    # bit for bit where this machine trains as the one that wrote the fixture did, up to the save (the same run)
+    here = _launch(tmp_path, "here", 2, stage, precision, 0.5, "--save", str(tmp_path / "here_ckpt"))
+    exact = here["before"] == first["before"]
+    _goes_on_as_recorded(again["after"], first["after"], exact)
     alone = _launch(tmp_path, "one", 1, stage, precision, 0.5, "--load", str(out))
     assert alone["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
 
@@ -172,31 +204,17 @@ def test_an_old_per_rank_checkpoint_converted_resumes_the_run_that_wrote_it(tmp_
     folder = tmp_path / "old"
     shutil.copytree(written / precision, folder)
     to_portable.to_portable(folder, "latest", tmp_path / "out", "converted")
-    engine = _engine(precision, seed=1)
-    path, _ = engine.load_checkpoint(tmp_path / "out")
-    assert path.name == "converted" and (path / ".metadata").is_file() and engine.global_steps == BEFORE // 2
-    assert train(engine, batches()[BEFORE:]) == pytest.approx(continued, rel=1e-4, abs=0)
+    resumed = engine(precision, seed=1)
+    path, _ = resumed.load_checkpoint(tmp_path / "out")
+    assert path.name == "converted" and (path / ".metadata").is_file() and resumed.global_steps == BEFORE // 2
+    assert train(resumed, batches()[BEFORE:]) == pytest.approx(continued, rel=1e-4, abs=0)
 
 
-def _saved(tmp_path: Path) -> Path:
-    engine = _engine("int8_m24", seed=0)
-    train(engine, batches()[:BEFORE])
-    engine.save_checkpoint(tmp_path / "ckpt", "a", portable=False)
-    return tmp_path / "ckpt"
-
-
-def test_each_record_is_read_once_for_all_its_keys_and_no_scales_stay_kept(tmp_path, monkeypatch) -> None:
+def test_each_record_is_read_once_for_all_its_keys_and_no_scales_stay_kept(fixture, monkeypatch) -> None:
     """A parameter's keys are written a piece of rows after another, its scales last: each compact record is read
     from the shard once (not once a key), keeping no more than the two records a piece lies in, and the scales
     kept from the records are let go as each parameter is written (nothing grows with the model)."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.GELU(), torch.nn.Linear(48, 24))
-    opt = TwinFlowAdam(net.parameters(), ratio=0.5, state_precision="int8_m24", chunk_bytes=256)  # records of 256
-    for _ in range(2):
-        net(torch.randn(4, 48)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
+    written = fixture("chunked")  # TwinFlowAdam's int8_m24 state in records of 256 bytes
     monkeypatch.setattr(to_portable, "CHUNK", 100)  # pieces of two rows, smaller than a record
     monkeypatch.setattr(rank_shard, "CACHE_BYTES", 0)  # only the two records a piece lies in kept
     reads, kept = collections.Counter(), []
@@ -212,17 +230,20 @@ def test_each_record_is_read_once_for_all_its_keys_and_no_scales_stay_kept(tmp_p
 
     monkeypatch.setattr(compact_checkpoint.CompactShard, "frame", counted)
     monkeypatch.setattr(rank_shard.RankShard, "close", closing)
-    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
+    to_portable.to_portable(written / "ckpt", "a", written.parent / "out")
     assert len(reads) > 12 and max(reads.values()) == 1 and kept == [0]  # 2304 + 1152 elements: 14 state records
-    resumed = copy.deepcopy(net)
-    again = TwinFlowAdam(resumed.parameters(), ratio=0.5, state_precision="int8_m24", chunk_bytes=256)
-    load_portable(tmp_path / "out", model=resumed, optimizer=again)
-    for saved, loaded in zip(opt.state_dict()["state"].values(), again.state_dict()["state"].values(), strict=True):
-        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    resumed = chunked_net()
+    again = chunked_optimizer(resumed)
+    load_portable(written.parent / "out", model=resumed, optimizer=again)
+    saved = torch.load(written / "optimizer.pt", weights_only=True)["state"]
+    assert saved.keys() == again.state_dict()["state"].keys()
+    for entry, loaded in zip(saved.values(), again.state_dict()["state"].values(), strict=True):
+        assert entry.keys() == loaded.keys() and all(torch.equal(entry[k], loaded[k]) for k in entry)
 
 
-def test_a_conversion_that_fails_leaves_the_output_as_it_was(tmp_path, monkeypatch) -> None:
-    ckpt, out = _saved(tmp_path), tmp_path / "out"
+def test_a_conversion_that_fails_leaves_the_output_as_it_was(fixture, monkeypatch) -> None:
+    written = fixture("int8_m24")
+    ckpt, out = written / "ckpt", written.parent / "out"
     to_portable.to_portable(ckpt, "a", out, "before")
 
     def broken(*_: object) -> None:
@@ -234,20 +255,18 @@ def test_a_conversion_that_fails_leaves_the_output_as_it_was(tmp_path, monkeypat
     assert sorted(p.name for p in out.iterdir()) == ["before", "latest"]
     assert (out / "latest").read_text() == "before"
     with pytest.raises(OSError, match="disk full"):  # into folders it makes: they go again
-        to_portable.to_portable(ckpt, "a", tmp_path / "new" / "deeper")
-    assert not (tmp_path / "new").exists()
+        to_portable.to_portable(ckpt, "a", written.parent / "new" / "deeper")
+    assert not (written.parent / "new").exists()
 
 
-def test_an_output_that_would_replace_its_source_or_an_odd_tag_is_refused_and_nothing_changes(tmp_path) -> None:
+def test_an_output_that_would_replace_its_source_or_an_odd_tag_is_refused_and_nothing_changes(fixture) -> None:
     """Putting the converted tag in place renames what is there and removes it: an OUT_DIR and tag that are the
     source's folder, or hold it (``runs/exp1`` for a source in ``runs/exp1/step2``), are refused, as are tags that
     are not plain names; a failed conversion removes the folders it made."""
-    engine = _engine("fp32", seed=0)
-    train(engine, batches()[:2])
-    runs = tmp_path / "runs"
-    for tag in ("step1", "step2"):
-        engine.save_checkpoint(runs / "exp1", tag, portable=False)
+    runs = fixture("runs")  # runs/exp1 with tags step1 and step2
+    tmp_path = runs.parent
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert {"runs/exp1/step1/rank0.pt", "runs/exp1/step2/rank0.pt"} <= set(before)
     cases = [(runs, "exp1"), (runs / "exp1", "step2"), (runs / "exp1" / "step2", "x")]
     cases += [(runs / "new" / "deeper", tag) for tag in ("latest", "../escaped", ".hidden")]
     for out_dir, out_tag in cases:
@@ -256,73 +275,44 @@ def test_an_output_that_would_replace_its_source_or_an_odd_tag_is_refused_and_no
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
-def test_state_without_a_step_and_parameters_without_state_come_through(tmp_path) -> None:
+def test_state_without_a_step_and_parameters_without_state_come_through(fixture) -> None:
     """SGD's momentum (no step) is converted as saved; a parameter that never had a gradient (no state) loads
-    afresh, from the converted checkpoint and from a portable save alike, and the run goes on as it did."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(2):
-        net[0](torch.randn(2, 8)).square().sum().backward()  # net[1] never gets a gradient
-        opt.step()
-        opt.zero_grad()
-    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
-    to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
-    keys = torch.load(tmp_path / "out" / "a" / "twinflow.pt", weights_only=True)["state_keys"]
+    afresh from the converted checkpoint (of SGD, and of the engine), and the run goes on as it did."""
+    written = fixture("sgd")  # the second layer never got a gradient
+    to_portable.to_portable(written / "ckpt", "a", written.parent / "out")
+    keys = torch.load(written.parent / "out" / "a" / "twinflow.pt", weights_only=True)["state_keys"]
     assert keys == {"0.weight": ["momentum_buffer"], "0.bias": ["momentum_buffer"], "1.weight": [], "1.bias": []}
-    again = copy.deepcopy(net)
-    sgd = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
-    load_portable(tmp_path / "out", model=again, optimizer=sgd)
-    saved, loaded = opt.state_dict()["state"], sgd.state_dict()["state"]
+    again = sgd_net()
+    optimizer = sgd(again)
+    load_portable(written.parent / "out", model=again, optimizer=optimizer)
+    saved, loaded = torch.load(written / "optimizer.pt", weights_only=True)["state"], optimizer.state_dict()["state"]
     assert saved.keys() == loaded.keys() == {0, 1}
     assert all(torch.equal(saved[i]["momentum_buffer"], loaded[i]["momentum_buffer"]) for i in saved)
-    data = batches()
-    engine = _engine_with_spare(0)
-    train(engine, data[:BEFORE])
-    engine.save_checkpoint(tmp_path / "e", "per_rank", portable=False)
-    engine.save_checkpoint(tmp_path / "e", "portable")
-    continued = train(engine, data[BEFORE:])
-    to_portable.to_portable(tmp_path / "e", "per_rank", tmp_path / "e", "converted")
-    for tag in ("portable", "converted"):
-        resumed = _engine_with_spare(3)
-        resumed.load_checkpoint(tmp_path / "e", tag)
-        assert train(resumed, data[BEFORE:]) == continued, tag
+    written = fixture("spare")  # the engine of a model with a layer the forward never uses, tag per_rank
+    to_portable.to_portable(written / "ckpt", "per_rank", written / "ckpt", "converted")
+    resumed = engine("int8_m24", seed=3, module=Spare(3))
+    path, _ = resumed.load_checkpoint(written / "ckpt", "converted")
+    assert path.name == "converted"
+    _resumed_as_saved(resumed, written)
+    exact = _computes_as_written(written, engine("int8_m24", seed=0, module=Spare(0)))
+    _goes_on_as_recorded(train(resumed, batches()[BEFORE:]), _record(written)["continued"], exact)
 
 
-class _Spare(torch.nn.Module):
-    """The fixture's model, with a layer the forward never uses (its parameters never have state)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.net, self.spare = model(seed), torch.nn.Linear(24, 24)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def _engine_with_spare(seed: int):  # noqa: ANN202
-    engine, *_ = twinflow.initialize(model=_Spare(seed), config=config("int8_m24"))
-    return engine
-
-
-def test_a_layoutless_checkpoint_whose_tensors_do_not_pair_one_to_one_is_refused(tmp_path) -> None:
+def test_a_layoutless_checkpoint_whose_tensors_do_not_pair_one_to_one_is_refused(fixture) -> None:
     """A checkpoint saved before the shards recorded their layout names its state by pairing the model's tensors
     with the parameters by shape: where a buffer has a parameter's shape (BatchNorm's running mean beside a bias),
     that pairing is a guess, and the conversion refuses rather than misname the state."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(net.parameters())
-    net(torch.randn(5, 4)).square().mean().backward()
-    opt.step()
-    save_checkpoint(tmp_path / "ckpt", "a", model=net, optimizer=opt)
-    strip_layout(tmp_path / "ckpt" / "a")  # as written before the layout was recorded
+    written = fixture("batchnorm")  # AdamW on Linear, BatchNorm1d, Linear; its shard's layout taken out
+    assert "layout" not in torch.load(written / "ckpt" / "a" / "rank0.pt", weights_only=True)
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in batchnorm_net().modules())
     with pytest.raises(CheckpointError, match=r"shape \[8\] do not pair .* save it again"):
-        to_portable.to_portable(tmp_path / "ckpt", "a", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+        to_portable.to_portable(written / "ckpt", "a", written.parent / "out")
+    assert not (written.parent / "out").exists()
 
 
-def test_a_damaged_shard_is_refused_naming_it_and_nothing_is_written(tmp_path) -> None:
-    ckpt, out = _saved(tmp_path), tmp_path / "out"
+def test_a_damaged_shard_is_refused_naming_it_and_nothing_is_written(fixture) -> None:
+    written = fixture("int8_m24")
+    ckpt, out = written / "ckpt", written.parent / "out"
     shard = ckpt / "a" / "rank0.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -332,12 +322,13 @@ def test_a_damaged_shard_is_refused_naming_it_and_nothing_is_written(tmp_path) -
     assert not out.exists()
 
 
-def test_the_cli_refuses_a_portable_source_and_an_output_over_its_source(tmp_path, capsys) -> None:
-    ckpt = _saved(tmp_path)
+def test_the_cli_refuses_a_portable_source_and_an_output_over_its_source(fixture, capsys) -> None:
+    written = fixture("int8_m24")
+    ckpt = written / "ckpt"
     assert convert_main([str(ckpt), "a", "--to-portable", str(ckpt)]) == 1
     assert "its source" in capsys.readouterr().err
     assert (ckpt / "a" / "rank0.pt").is_file() and not list(ckpt.glob("*.saving"))
     assert convert_main([str(ckpt), "a", "--to-portable", str(ckpt), "--out-tag", "b"]) == 0
     assert (ckpt / "latest").read_text() == "b"
-    assert convert_main([str(ckpt), "b", "--to-portable", str(tmp_path / "again")]) == 1
+    assert convert_main([str(ckpt), "b", "--to-portable", str(written.parent / "again")]) == 1
     assert "already portable" in capsys.readouterr().err
