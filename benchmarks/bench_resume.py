@@ -155,7 +155,6 @@ def main() -> None:
     how.add_argument("--save", action="store_true")
     how.add_argument("--load", action="store_true")
     parser.add_argument("--tag", default="moved")
-    parser.add_argument("--per-rank", action="store_true", help="--save: the per-rank format, not the portable one")
     parser.add_argument("--before", type=int, default=5, help="steps before the save")
     parser.add_argument("--after", type=int, default=5, help="steps after the save, or after the load")
     parser.add_argument("--asynchronous", action="store_true", help="--save: then an asynchronous save, timed")
@@ -212,7 +211,7 @@ def main() -> None:
                 again = f"_{n + 1}" if n else ""  # a later save's figures: the copies the one before kept
                 last = n == args.async_saves - 1
                 with HostPeak() as peak, profiled(args.profile and last, row, "async_save_call_profile"):
-                    engine.save_checkpoint(args.ckpt, args.tag, portable=True, asynchronous=True)
+                    engine.save_checkpoint(args.ckpt, args.tag, asynchronous=True)
                 row["async_save_call" + again] = peak.report()
                 first = args.before + n * args.after
                 with HostPeak() as peak:
@@ -224,14 +223,14 @@ def main() -> None:
                 row["async_step_over_normal" + again] = statistics.median(seconds) / normal
         else:
             with HostPeak() as peak:
-                engine.save_checkpoint(args.ckpt, args.tag, portable=not args.per_rank)
+                engine.save_checkpoint(args.ckpt, args.tag)
             row["save"] = peak.report()
             row["losses_after"], row["seconds_after"] = train(engine, after, args, rank, world, device, vocab)
         if rank == 0:  # what the synchronous (else the asynchronous) save left on disk
             row["checkpoint_bytes"] = sum(f.stat().st_size for f in (args.ckpt / args.tag).rglob("*") if f.is_file())
         if args.asynchronous and not args.async_only:
             with HostPeak() as peak, profiled(args.profile, row, "async_save_call_profile"):
-                engine.save_checkpoint(args.ckpt, args.tag + "_async", portable=True, asynchronous=True)
+                engine.save_checkpoint(args.ckpt, args.tag + "_async", asynchronous=True)
             row["async_save_call"] = peak.report()
             first = args.before + args.after
             with HostPeak() as peak:

@@ -82,7 +82,7 @@ def main() -> None:
     ns = argparse.Namespace(global_batch=4, seq_len=args.seq_len)
     losses, _ = train(engine, range(args.steps), ns, 0, 1, device, model.config.vocab_size)
     start = time.perf_counter()
-    engine.save_checkpoint(args.ckpt, "hub", portable=True)
+    engine.save_checkpoint(args.ckpt, "hub")
     save_s = time.perf_counter() - start
     ckpt_bytes = sum(f.stat().st_size for f in (args.ckpt / "hub").rglob("*") if f.is_file())
     hf_dir, out_dir = args.ckpt / "hf_config", args.ckpt / "safetensors"

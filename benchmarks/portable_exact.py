@@ -78,11 +78,11 @@ def main() -> None:
     run["a_before"] = train(a, before, args, 0, 1, "cuda", vocab)[0]
     if args.asynchronous:  # the state when the save began; the AFTER steps change it while it is written
         saved = snapshot(a, model_a)
-        a.save_checkpoint(args.ckpt, "x", portable=True, asynchronous=True)
+        a.save_checkpoint(args.ckpt, "x", asynchronous=True)
         run["a_after"] = train(a, after, args, 0, 1, "cuda", vocab)[0]
         a.wait_checkpoint()
     else:
-        a.save_checkpoint(args.ckpt, "x", portable=True)
+        a.save_checkpoint(args.ckpt, "x")
         saved = snapshot(a, model_a)
         run["a_after"] = train(a, after, args, 0, 1, "cuda", vocab)[0]
     del a, model_a

@@ -5,12 +5,14 @@
 #   bash benchmarks/run_resume_round.sh save N MODEL [CONFIG]   # N ranks: BEFORE steps, the save, AFTER steps
 #   bash benchmarks/run_resume_round.sh load M MODEL [CONFIG]   # M ranks: the load, the same AFTER steps, compared
 #   bash benchmarks/run_resume_round.sh async N MODEL [CONFIG]  # N ranks, a fresh checkpoint saved asynchronously
-#   bash benchmarks/run_resume_round.sh convert N MODEL         # the saved (PER_RANK=1) checkpoint made portable,
-#                                                               # timed (measure_to_portable.py); a load then reads it
+#   bash benchmarks/run_resume_round.sh convert N MODEL         # a per-rank checkpoint saved in $ck/ckpt (by the
+#                                                               # tree of 9bd2b3e or before, with bench_resume.py
+#                                                               # --per-rank) made portable, timed
+#                                                               # (measure_to_portable.py); a load then reads it
 #   bash benchmarks/run_resume_round.sh tests                   # the multigpu tests of the checkpoint and engine
 # LIMIT (seconds, default 540) bounds each run; STEPS (default 5) is BEFORE and AFTER; PROFILE=1 adds --profile (the
 # load and the first step after it, or the asynchronous save's call, profiled into the JSON); READ_THREADS=K (load)
-# copies on K threads; PER_RANK=1 (save) writes the per-rank format; NAME=S adds S to the output's name; SPY=1
+# copies on K threads; NAME=S adds S to the output's name; SPY=1
 # samples every thread with py-spy (on the PATH) into $OUT/<the output's name>.spy.txt (benchmarks/spy_summary.py
 # reads it; a run that wrote no JSON fails, as py-spy exits 0 whatever its child did). NVLink multicast stays off.
 set -uo pipefail
@@ -35,7 +37,6 @@ spy=""
 run="timeout $limit $spy torchrun --standalone --nproc-per-node $n benchmarks/bench_resume.py --model $model --config $cfg"
 [ "${PROFILE:-0}" = 1 ] && run="$run --profile"
 [ -n "${READ_THREADS:-}" ] && run="$run --read-threads $READ_THREADS"
-[ "${PER_RANK:-0}" = 1 ] && run="$run --per-rank"
 case $what in
 save | async)
     rm -rf "$ck" && mkdir -p "$ck"

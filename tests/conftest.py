@@ -1,3 +1,8 @@
+import builtins
+import errno
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,3 +117,39 @@ def lazy_cpu_side(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(HostSide, "wait", wait)
     monkeypatch.setattr(DelayedMode, "flush", flush)
     monkeypatch.setattr(DelayedMode, "drop_for", drop_for)
+
+
+@pytest.fixture
+def unwritable(monkeypatch: pytest.MonkeyPatch):
+    """Makes a folder unwritable: its permission bits, and where they do not stop this process, refused creations."""
+    made: list[Path] = []
+
+    def refuse(path) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    def make(folder: Path) -> None:
+        folder.chmod(0o555)
+        made.append(folder)
+        try:
+            (folder / "probe").touch()
+        except PermissionError:
+            return  # the bits stop this process
+        (folder / "probe").unlink()  # they do not (root): refuse what the kernel would refuse another user
+        real_open, real_mkdir = builtins.open, os.mkdir
+
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file).parent == folder and set(mode) & set("wax+"):
+                refuse(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def mkdir(path, *args, **kwargs) -> None:
+            if Path(path).parent == folder:
+                refuse(path)
+            real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(os, "mkdir", mkdir)
+
+    yield make
+    for folder in made:
+        folder.chmod(0o755)

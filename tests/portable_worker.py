@@ -100,7 +100,6 @@ def main() -> None:
     parser.add_argument("--warm-save", action="store_true",
                         help="--save: an asynchronous save after the first step as well (tag 'warm'): the next "
                         "asynchronous save copies into the host copies it kept")  # fmt: skip
-    parser.add_argument("--per-rank", action="store_true", help="--save: the per-rank format, not the portable one")
     args = parser.parse_args()
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank),
                       LOCAL_WORLD_SIZE=str(args.world))  # fmt: skip
@@ -119,9 +118,9 @@ def main() -> None:
         first = 1 if args.warm_save else BEFORE
         report["before"] = train(engine, range(first), args.rank, args.world, device)
         if args.warm_save:
-            engine.save_checkpoint(args.save, "warm", portable=True, asynchronous=True)
+            engine.save_checkpoint(args.save, "warm", asynchronous=True)
             report["before"] += train(engine, range(first, BEFORE), args.rank, args.world, device)
-        engine.save_checkpoint(args.save, "moved", portable=not args.per_rank, asynchronous=args.asynchronous)
+        engine.save_checkpoint(args.save, "moved", asynchronous=args.asynchronous)
         if args.warm_save:
             from twinflow.checkpoint import portable
 

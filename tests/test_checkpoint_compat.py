@@ -1,6 +1,8 @@
-"""Checkpoints written by an earlier twinflow load with today's code and continue as the run that wrote them did
-(tests/checkpoint_fixture.py wrote them and the losses after the save): the per-rank format of 1111190 (the main of
-2026-11-27 evening), and the portable format of 4637d54 (the engine's default since c758ae8)."""
+"""Checkpoints written by an earlier twinflow (tests/checkpoint_fixture.py wrote them and the losses after the
+save): the portable format of 4637d54 (the engine's default since c758ae8) loads with today's code and continues
+as the run that wrote it did; the per-rank format of 1111190 (the main of 2026-11-27 evening), which twinflow no
+longer loads, is refused naming the command that rewrites it (tests/test_to_portable.py resumes it so rewritten).
+"""
 
 from __future__ import annotations
 
@@ -9,28 +11,56 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import twinflow
 from tests.checkpoint_fixture import BEFORE, PRECISIONS, batches, config, model, train
+from twinflow.checkpoint import CheckpointError, read_meta
 
 DATA = Path(__file__).with_name("data")
 FIXTURES = {"per-rank": DATA / "checkpoints_1111190", "portable": DATA / "checkpoints_portable_4637d54"}
 
 
-@pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path, precision: str, fixture: str) -> None:
-    written = FIXTURES[fixture]
+def test_a_portable_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path, precision: str) -> None:
+    written = FIXTURES["portable"]
     continued = json.loads((written / "continued.json").read_text())["continued"][precision]
     folder = tmp_path / precision
     shutil.copytree(written / precision, folder)  # a load may tidy the folder; the fixture stays as written
     engine, *_ = twinflow.initialize(model=model(seed=1), config=config(precision))
     path, _ = engine.load_checkpoint(folder)
     assert path.name == "global_step4" and engine.global_steps == BEFORE // 2
-    assert (path / ".metadata").is_file() == (fixture == "portable") and (path / "meta.json").is_file() != (
-        fixture == "portable"
-    )
+    assert (path / ".metadata").is_file()
     losses = train(engine, batches()[BEFORE:])
     # Not bit for bit: the fixture's run was on one machine's BLAS and kernel path, this may be another's. A state
     # not loaded, or loaded into the wrong places, is off by a percent (the fresh model's first loss: 1.4%).
     assert losses == pytest.approx(continued, rel=1e-4, abs=0)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_per_rank_checkpoint_is_refused_naming_the_conversion_and_nothing_changes(tmp_path, precision) -> None:
+    folder = tmp_path / precision
+    shutil.copytree(FIXTURES["per-rank"] / precision, folder)
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    engine, *_ = twinflow.initialize(model=model(seed=1), config=config(precision))
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(CheckpointError, match="is a per-rank one") as refused:
+        engine.load_checkpoint(folder)
+    assert f"python -m twinflow.convert {folder} global_step4 --to-portable OUT_DIR" in str(refused.value)
+    assert all(torch.equal(v, weights[k]) for k, v in engine.module.state_dict().items())
+    assert engine.global_steps == 0 and not engine.local_optimizer.state
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    assert read_meta(folder)[0] == "global_step4"  # its meta is still read, in either format
+
+
+def test_the_converters_refuse_a_per_rank_checkpoint_naming_the_way(tmp_path, capsys) -> None:
+    """OUT.pt and --safetensors read the portable format; a per-rank checkpoint is first rewritten with
+    --to-portable, which the error names. Nothing is written."""
+    from twinflow.checkpoint.convert_cli import main as convert_main
+
+    folder = FIXTURES["per-rank"] / "int8_m24"
+    for outputs in ([str(tmp_path / "out.pt")], ["--safetensors", str(tmp_path / "hub")]):
+        assert convert_main([str(folder), "latest", *outputs]) == 1
+        err = capsys.readouterr().err
+        assert "per-rank checkpoint" in err and f"{folder} global_step4 --to-portable OUT_DIR" in err, err
+    assert not list(tmp_path.iterdir())

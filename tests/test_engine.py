@@ -308,3 +308,14 @@ def test_offload_ratio_auto_checkpoints_record_the_chosen_ratio_to_resume_with(t
     fresh, *_ = twinflow.initialize(model=make_model(seed=3), config=config | {"offload_ratio": saved["ratio"]})
     fresh.load_checkpoint(tmp_path)
     assert engine_losses(fresh, data[3:]) == uninterrupted
+
+
+def test_a_per_rank_save_is_refused_before_anything_is_written(tmp_path) -> None:
+    """The per-rank format (twinflow 0.1.0's ``portable=False``) is no longer written: the refusal says so and
+    what to do, and neither the directory nor a pending save is touched."""
+    engine, *_ = twinflow.initialize(model=make_model(), config={"train_micro_batch_size_per_gpu": 4})
+    engine_losses(engine, batches(1, 4, seed=8))
+    with pytest.raises(ValueError, match=r"portable=False\): the per-rank format .* no longer written; leave portable"):
+        engine.save_checkpoint(tmp_path / "ckpt", portable=False)
+    assert not (tmp_path / "ckpt").exists()
+    assert engine.save_checkpoint(tmp_path / "ckpt").name == f"global_step{engine.global_steps}"

@@ -109,13 +109,10 @@ def test_two_ranks_pieces_merge_into_the_state_a_load_on_one_holds(tmp_path, sta
     _same_state(written, expected)
 
 
-def test_a_rank_is_refused_and_a_damaged_piece_leaves_nothing(tmp_path, capsys) -> None:
+def test_a_damaged_piece_leaves_nothing(tmp_path) -> None:
     model, opt = _single(0, "int8_m24", torch.float32)
     _train(model, opt, 2)
     folder = portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
-    assert convert_main([str(tmp_path / "ckpt"), "t", str(tmp_path / "a.pt"), "--rank", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "portable checkpoint" in err and "whole model's" in err and "--rank" in err, err
     piece = max(folder.glob("*.distcp"), key=lambda f: f.stat().st_size)
     data = bytearray(piece.read_bytes())
     data[len(data) // 2] ^= 0xFF

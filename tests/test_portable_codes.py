@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from twinflow import TwinFlowAdam
-from twinflow.checkpoint import CheckpointError, portable, portable_codes, portable_load
-from twinflow.checkpoint.consolidate import consolidate
+from twinflow.checkpoint import CheckpointError, portable, portable_codes, portable_load, to_portable
 from twinflow.checkpoint.convert_cli import main as convert_main
 from twinflow.precision import compact
 
@@ -184,21 +183,15 @@ def test_codes_load_decoded_into_another_precision(tmp_path, precision: str) -> 
             assert torch.equal(loaded[i][key], entry[key]), (i, key)
 
 
-def test_the_per_rank_readers_name_a_portable_checkpoint_and_the_way_forward(tmp_path, capsys) -> None:
-    """The per-rank converter's functions used to call a portable checkpoint "incomplete (no meta.json): it was
-    never finished"; ``python -m twinflow.convert`` takes it to its own converters (the whole model's OUT.pt: one
-    rank's, --rank, is refused)."""
+def test_the_per_rank_reader_names_a_portable_checkpoint_and_the_way_forward(tmp_path) -> None:
+    """The per-rank reader (--to-portable's) used to call a portable checkpoint "incomplete (no meta.json): it was
+    never finished"; it names the format and what to do instead, and the converters take it as it is."""
     model, opt = _single(0)
     _train(model, opt, 1)
     portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
     with pytest.raises(CheckpointError, match="is a portable one.*load_portable.*--safetensors OUT") as refused:
-        consolidate(tmp_path / "ckpt", "t", tmp_path / "hub")
-    assert "never finished" not in str(refused.value)
-    for tag in ("t", "latest"):
-        assert convert_main([str(tmp_path / "ckpt"), tag, str(tmp_path / "out.pt"), "--rank", "0"]) == 1
-        err = capsys.readouterr().err
-        assert "is a portable checkpoint" in err and "--rank" in err, err
-    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "hub").exists()
+        to_portable.to_portable(tmp_path / "ckpt", "t", tmp_path / "again")
+    assert "never finished" not in str(refused.value) and not (tmp_path / "again").exists()
     assert convert_main([str(tmp_path / "ckpt"), "latest", str(tmp_path / "out.pt")]) == 0
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)["state"]) == set(opt.state_dict()["state"])
 

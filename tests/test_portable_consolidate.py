@@ -15,6 +15,7 @@ import twinflow
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import portable, portable_consolidate, portable_load
 from twinflow.checkpoint.convert_cli import main as convert_main
+from twinflow.checkpoint.safetensors_out import hub_name, parse_size
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 WORKER = Path(__file__).with_name("portable_worker.py")
@@ -98,6 +99,22 @@ def test_several_files_an_index_and_a_damaged_piece_refused(tmp_path) -> None:
     with pytest.raises(portable.CheckpointError, match=f"{piece.name} differs from what the save wrote"):
         portable_consolidate.consolidate_portable(tmp_path / "ckpt", "t", tmp_path / "hub2")
     assert not (tmp_path / "hub2").exists()
+
+
+def test_sizes_names_and_refusals(tmp_path) -> None:
+    """--max-shard-size's units, the hub's names of a wrapped model's keys, and a command line that is refused
+    before anything is written."""
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("1000") == 1000
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    assert hub_name("module._orig_mod.model._fsdp_wrapped_module.layers.0.weight") == "model.layers.0.weight"
+    model, opt = _single(0)
+    portable.save_portable(tmp_path / "ckpt", "t", model=model, optimizer=opt)
+    assert convert_main([str(tmp_path / "ckpt"), "t", "--safetensors", str(tmp_path / "o"), "--hf-config",
+                         str(tmp_path)]) == 1  # no config.json there  # fmt: skip
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit):
+        convert_main([str(tmp_path / "ckpt"), "t"])  # neither OUT.pt nor --safetensors
 
 
 def test_a_tied_lm_head_is_written_once_and_from_pretrained_ties_it_again(tmp_path) -> None:

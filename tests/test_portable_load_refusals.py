@@ -1,7 +1,6 @@
 """A portable load (twinflow.checkpoint.portable_load) that is refused raises a CheckpointError naming what is at
 fault, what was expected and the fix, and changes nothing: not a weight's bit, not the optimizer's state (steps
-included) nor its param groups' hyper-parameters. The per-rank format's refusals (tests/test_checkpoint.py,
-tests/test_checkpoint_errors.py), on this one: where the checkpoint is, a model or param groups of another
+included) nor its param groups' hyper-parameters: where the checkpoint is, a model or param groups of another
 structure, a damaged twinflow.pt, a load while the state is offloaded; and the one notice a save and a load end
 with."""
 

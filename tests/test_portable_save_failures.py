@@ -11,11 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import test_checkpoint_errors
 from twinflow import TwinFlowAdam
 from twinflow.checkpoint import portable, portable_load, portable_state
-
-unwritable = test_checkpoint_errors.unwritable  # the fixture: a folder this process may not write
 
 
 def make(seed: int = 0) -> torch.nn.Module:

@@ -1,3 +1,3 @@
 """twinflow's version: one place, read by the package, its checkpoints and setup.py."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,5 +1,5 @@
-"""A checkpoint in either format, told apart in one place: the portable one (:mod:`.portable`, the engine's
-default) or one shard a rank (:mod:`.checkpoint`)."""
+"""A checkpoint's format, told apart in one place: the portable one (:mod:`.portable`), which twinflow writes and
+loads, or one shard a rank (twinflow 0.1.0's), which :mod:`.to_portable` rewrites in the portable format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from twinflow.checkpoint import checkpoint_files
-from twinflow.checkpoint.checkpoint import load_checkpoint
+from twinflow.checkpoint.checkpoint_files import CheckpointError
 from twinflow.checkpoint.portable import holds
 from twinflow.checkpoint.portable_load import Folder, load_portable
 
@@ -24,6 +24,15 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
 
 
 def load_either(directory: str | Path, tag: str | None = None, **parts: Any) -> tuple[Any, Any]:
-    """:func:`.portable_load.load_portable` or :func:`.checkpoint.load_checkpoint`, by the format of the tag."""
-    load = load_portable if holds(Path(directory), tag) else load_checkpoint
-    return load(directory, tag, **parts)
+    """:func:`.portable_load.load_portable`; a per-rank checkpoint is refused (nothing changes), naming the command
+    that rewrites it in the portable format."""
+    tag = None if tag == "latest" else tag
+    if not holds(Path(directory), tag):
+        found, info = checkpoint_files.read_meta(directory, tag)  # a CheckpointError where there is no checkpoint
+        raise CheckpointError(
+            f"checkpoint {found!r} in {directory} is a per-rank one (one shard a rank, written by twinflow "
+            f"{info.get('twinflow_version', '0.1.0')}), which this twinflow no longer loads: rewrite it in the "
+            f"portable format with `python -m twinflow.convert {directory} {found} --to-portable OUT_DIR` and load "
+            "OUT_DIR, on any number of processes"
+        )
+    return load_portable(directory, tag, **parts)

@@ -1,11 +1,9 @@
-"""The files of a checkpoint directory: atomic writes, what interrupted saves leave behind, and meta.json.
+"""The files of a checkpoint directory: atomic writes, the temporaries interrupted writes leave behind, and the
+meta.json of a per-rank checkpoint (twinflow 0.1.0's format, read by :mod:`.to_portable`).
 
-:mod:`twinflow.checkpoint.checkpoint` (the API) builds on this layer and describes the layout. A file is written under a
-temporary name ``.<target>.tmp<pid>@<host>``, flushed to disk and renamed into place. While a process writes
-into a tag folder, the folder holds its marker ``.saving<pid>@<host>``, removed once the save has finished. A
-tag folder without meta.json whose markers all belong to processes that are gone was left by a save that was
-killed; like the temporaries such saves leave, the next save or load of the directory removes it and says so
-in one notice.
+A file is written under a temporary name ``.<target>.tmp<pid>@<host>``, flushed to disk and renamed into place;
+the temporaries of writers that are gone are removed by the next save of the directory, which says so in one
+notice.
 """
 
 from __future__ import annotations
@@ -37,14 +35,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TEMP = re.compile(
     r"\.(?P<target>latest|meta\.json|(?:.+\.)?rank\d+\.pt)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9._-]+))?"
 )
-_MARKER = re.compile(r"\.saving(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)")
-DAMAGED = (
-    "The checkpoint is damaged or was not written by twinflow.checkpoint.checkpoint.save_checkpoint: load another tag, "
-    "or save it again"
-)
+DAMAGED = "The checkpoint is damaged or was not written by twinflow: load another tag, or save it again"
 HASH_BLOCK = 1 << 20  # bytes a hash reads at once
-# The markers of the saves this process is running now: its other markers (of a save that failed) are stale.
-_saving: set[Path] = set()
 
 
 def _host() -> str:
@@ -70,8 +62,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _writer_gone(match: re.Match[str], path: Path) -> bool:
-    """Whether the process named by a temporary's or marker's name has certainly stopped writing `path`.
+def _writer_gone(match: re.Match[str]) -> bool:
+    """Whether the process named by a temporary's name has certainly stopped writing it.
 
     Only on this host (names without a host, from older versions, are taken as this host's): another host's
     pid cannot be checked from here. A dead writer's pid reused by a new process keeps the file until a later
@@ -79,9 +71,7 @@ def _writer_gone(match: re.Match[str], path: Path) -> bool:
     """
     if (match["host"] or _host()) != _host():
         return False
-    if int(match["pid"]) == os.getpid():
-        return _MARKER.fullmatch(path.name) is not None and path not in _saving
-    return not _pid_alive(int(match["pid"]))
+    return int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"]))
 
 
 def format_bytes(n: int) -> str:
@@ -117,42 +107,15 @@ def _remove_temporaries(folder: Path, names: list[str]) -> list[str]:
     removed = []
     for name in names:
         m = _TEMP.fullmatch(name)
-        if m is not None and _writer_gone(m, folder / name):
+        if m is not None and _writer_gone(m):
             size = _size(folder / name)
             if _unlink(folder / name):
                 removed.append(f"temporary {str(folder / name)!r} ({format_bytes(size)})")
     return removed
 
 
-def _remove_abandoned(folder: Path, names: list[str]) -> list[str]:
-    """Removes tag folder `folder` when a killed save left it without meta.json; describes what was removed.
-
-    Only a folder with markers, all of writers that are gone: a folder without markers was not written by this
-    version's save, or its writer has made it and not yet marked it. A complete folder loses stale markers only.
-    """
-    markers = [m for m in map(_MARKER.fullmatch, names) if m is not None]
-    if not markers or not all(_writer_gone(m, folder / m.string) for m in markers):
-        return []
-    if "meta.json" in names:  # its writers were killed after finishing it
-        for m in markers:
-            _unlink(folder / m.string)
-        return []
-    shards = sorted(n for n in names if SHARD_NAME.fullmatch(n))
-    size = sum(_size(folder / n) for n in shards)
-    for name in names:  # shards, markers and temporaries; anything else someone put there stays
-        if SHARD_NAME.fullmatch(name) or _MARKER.fullmatch(name) or _TEMP.fullmatch(name):
-            _unlink(folder / name)
-    try:
-        folder.rmdir()
-    except OSError:
-        pass
-    if not shards:  # markers only: nothing worth a line
-        return []
-    return [f"incomplete checkpoint {folder.name!r} ({', '.join(shards)}, {format_bytes(size)}; no meta.json)"]
-
-
 def remove_leftovers(directory: Path) -> None:
-    """Removes what saves that did not finish left in `directory`: temporaries and incomplete tag folders.
+    """Removes the temporaries that saves which did not finish left in `directory` and its tag folders.
 
     A file or folder goes only when its writers are certainly gone (see the module's docstring), so a rank
     never removes what another rank or job is writing. One notice lists what was removed.
@@ -169,29 +132,8 @@ def remove_leftovers(directory: Path) -> None:
         except OSError:  # removed meanwhile, or unreadable: nothing of ours to clean there
             continue
         removed += _remove_temporaries(folder, [n for n in names if n.startswith(".")])
-        removed += _remove_abandoned(folder, [n for n in names if (folder / n).exists()])
     if removed:
         notice("removed what interrupted checkpoint saves left in %s: %s", directory, "; ".join(removed))
-
-
-def mark_saving(folder: Path) -> Path:
-    """Puts this process's marker into tag folder `folder`: it is being written until `finish_saving`."""
-    marker = folder / f".saving{os.getpid()}@{_host()}"
-    _saving.add(marker)
-    try:
-        with open(marker, "wb"):
-            pass
-    except BaseException:
-        _saving.discard(marker)
-        raise
-    return marker
-
-
-def finish_saving(marker: Path, *, remove: bool) -> None:
-    """Ends the save `marker` stands for; a kept marker lets `remove_leftovers` take its incomplete folder."""
-    _saving.discard(marker)
-    if remove:
-        _unlink(marker)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -319,17 +261,6 @@ def hash_error(tag: str, path: Path, found: str, recorded: str, size: int) -> Ch
         f"checkpoint {tag!r}: shard {path} has sha256 {found}, its meta.json records {recorded} (the size, {size} "
         "bytes, matches): the shard is corrupt or was replaced after saving; load another tag, or restore the shard"
     )
-
-
-def read_verified(f: IO[bytes], tag: str, path: Path, expected: dict[str, Any]) -> bytes:
-    """All of shard `f` (`path`, of checkpoint `tag`), its size and sha256 checked against meta.json's `expected`."""
-    data = f.read()
-    if len(data) != expected["bytes"]:
-        raise size_error(tag, path, len(data), expected["bytes"])
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != expected["sha256"]:
-        raise hash_error(tag, path, digest, expected["sha256"], len(data))
-    return data
 
 
 def sha256_of(path: Path) -> str:

@@ -1,18 +1,14 @@
-"""The command line of ``python -m twinflow.convert`` (see :mod:`twinflow.checkpoint.convert` for OUT.pt,
-:mod:`twinflow.checkpoint.consolidate` for --safetensors, :mod:`twinflow.checkpoint.portable_adamw` and
-:mod:`twinflow.checkpoint.portable_consolidate` for a portable checkpoint's, :mod:`twinflow.checkpoint.to_portable`
-for --to-portable): which converter a checkpoint goes to, by its format."""
+"""The command line of ``python -m twinflow.convert`` (see :mod:`twinflow.checkpoint.portable_adamw` for OUT.pt,
+:mod:`twinflow.checkpoint.portable_consolidate` for --safetensors, :mod:`twinflow.checkpoint.to_portable` for
+--to-portable): which converter a checkpoint goes to, by its format."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from twinflow.checkpoint.checkpoint_files import CheckpointError, format_bytes
-from twinflow.checkpoint.consolidate import consolidate
-from twinflow.checkpoint.convert import convert
+from twinflow.checkpoint.checkpoint_files import CheckpointError, format_bytes, read_meta
 from twinflow.checkpoint.portable import holds
 from twinflow.checkpoint.portable_adamw import convert_portable
 from twinflow.checkpoint.portable_consolidate import consolidate_portable
@@ -20,14 +16,14 @@ from twinflow.checkpoint.safetensors_out import parse_size
 from twinflow.checkpoint.to_portable import to_portable
 
 
-def _convert(args: argparse.Namespace, state: Callable[..., Path], weights: Callable[..., list[Path]]) -> int:
-    """OUT.pt through ``state(directory, tag, out)`` and --safetensors DIR through ``weights(...)``, as asked."""
+def _convert(args: argparse.Namespace) -> int:
+    """OUT.pt and --safetensors DIR of a portable checkpoint, as asked."""
     if args.out is not None:
-        out = state(args.directory, args.tag, args.out)
+        out = convert_portable(args.directory, args.tag, args.out)
         print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
     if args.safetensors is not None:
-        written = weights(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size, args.hf_config,
-                          progress=True)  # fmt: skip
+        written = consolidate_portable(args.directory, args.tag, args.safetensors, args.dtype, args.max_shard_size,
+                                       args.hf_config, progress=True)  # fmt: skip
         size = sum(path.stat().st_size for path in written)
         print(f"wrote {len(written)} files to {args.safetensors} ({format_bytes(size)})")
     return 0
@@ -41,14 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         "exp_avg, exp_avg_sq, step; master for bf16/fp16 parameters) to OUT.pt, and/or (--safetensors DIR) the "
         "model's consolidated weights as safetensors that Hugging Face from_pretrained loads: the optimizer's "
         "float32 masters where it keeps them, merged across ranks (FSDP2 shards, ZeRO-1). Both are streamed with "
-        "bounded memory.",
+        "bounded memory. A per-rank checkpoint (twinflow 0.1.0's) is first rewritten with --to-portable.",
     )
     parser.add_argument("directory", help="the checkpoint directory (the one given to save_checkpoint)")
     parser.add_argument("tag", help="the checkpoint's tag, or 'latest'")
     parser.add_argument("out", nargs="?", help="the optimizer state file to write (read it with torch.load); "
                         "optional with --safetensors")  # fmt: skip
-    parser.add_argument("--rank", type=int, default=None, help="a per-rank checkpoint: the rank whose optimizer "
-                        "state to convert (default 0); a portable checkpoint's is the whole model's")  # fmt: skip
     parser.add_argument("--safetensors", metavar="DIR", help="also write the model's weights to DIR: "
                         "model.safetensors, or several files and model.safetensors.index.json")  # fmt: skip
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
@@ -58,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-config", metavar="HF_DIR", help="a folder with the model's config.json (e.g. "
                         "from model.config.save_pretrained): copied into --safetensors DIR, so that "
                         "AutoModelForCausalLM.from_pretrained(DIR) works directly")  # fmt: skip
-    parser.add_argument("--to-portable", metavar="OUT_DIR", help="a per-rank checkpoint: rewrite it in the "
-                        "portable format in OUT_DIR (a checkpoint directory), which any number of processes resumes "
-                        "from")  # fmt: skip
+    parser.add_argument("--to-portable", metavar="OUT_DIR", help="a per-rank checkpoint (twinflow 0.1.0's): "
+                        "rewrite it in the portable format in OUT_DIR (a checkpoint directory), which any number "
+                        "of processes resumes from")  # fmt: skip
     parser.add_argument("--out-tag", help="--to-portable: the converted checkpoint's tag (default: TAG's)")
     args = parser.parse_args(argv)
-    given = (args.out, args.safetensors, args.rank, args.dtype, args.max_shard_size, args.hf_config)
+    given = (args.out, args.safetensors, args.dtype, args.max_shard_size, args.hf_config)
     if args.to_portable is not None and any(value is not None for value in given):
         parser.error("--to-portable goes alone: convert the portable checkpoint it writes to OUT.pt or --safetensors")
     args.dtype, args.max_shard_size = args.dtype or "fp32", args.max_shard_size or "5GB"
@@ -87,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {folder}: a portable checkpoint, which any number of processes resumes from")
             return 0
         if per_rank:
-            return _convert(args, lambda *where: convert(*where, args.rank or 0), consolidate)
-        if args.rank is not None:
-            print(f"error: {args.directory} {args.tag} is a portable checkpoint: its OUT.pt is the whole model's "
-                  "optimizer state, whatever number of ranks saved it; --rank picks a rank's state of a per-rank "
-                  "checkpoint only: leave it out", file=sys.stderr)  # fmt: skip
+            # a CheckpointError where there is no checkpoint at all
+            found, _ = read_meta(args.directory, None if args.tag == "latest" else args.tag)
+            print(f"error: {args.directory} {found} is a per-rank checkpoint (twinflow 0.1.0's): rewrite it in the "
+                  f"portable format first, `python -m twinflow.convert {args.directory} {found} --to-portable "
+                  "OUT_DIR`, then convert OUT_DIR", file=sys.stderr)  # fmt: skip
             return 1
-        return _convert(args, convert_portable, consolidate_portable)
+        return _convert(args)
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -97,7 +97,7 @@ except ImportError:  # pragma: no cover (torch >= 2.4 has it)
     dcp = CheckpointException = None
 
 # DCP warns at every call made without torch.distributed, and at each per-rank read of a load (no_dist): one process
-# saving or loading on its own is what twinflow asks of it, and the engine saves this format by default. Only that
+# saving or loading on its own is what twinflow asks of it, and the engine saves this format. Only that
 # warning is left out, from twinflow's import on (a filter set around each call would not be thread-safe: the warning
 # filters are the process's, and an asynchronous save writes on DCP's own thread).
 warnings.filterwarnings(
@@ -110,13 +110,6 @@ warnings.filterwarnings(
 # the state again and fail on FSDP2's DTensors: an asynchronous save there is refused before anything is written
 ASYNC_SAVE = dcp is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
 SAVING, OLD = PORTABLE_SAVING, PORTABLE_OLD
-
-
-def remove_portable(folder: Path) -> None:
-    """The files of a portable checkpoint in `folder` removed, its index first (a per-rank save of the same tag
-    replaces it: a load would otherwise still find the portable one there, which a load prefers)."""
-    for path in [folder / ".metadata", folder / INFO, *folder.glob("__*_*.distcp"), *folder.glob("twinflow.sums.*")]:
-        path.unlink(missing_ok=True)
 
 
 def holds(directory: Path, tag: str | None) -> bool:

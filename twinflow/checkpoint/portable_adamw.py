@@ -1,6 +1,6 @@
 """A portable checkpoint's optimizer state in torch.optim's layout (OUT.pt), the whole model's, streamed.
 
-    python -m twinflow.convert CKPT_DIR TAG OUT.pt        (TAG saved with portable=True, by any number of ranks)
+    python -m twinflow.convert CKPT_DIR TAG OUT.pt        (TAG saved by any number of ranks)
 
 writes what ``state_dict()`` of one process's optimizer over the whole model holds once TAG is loaded into it:
 per parameter index (the saved param groups' order: a one-process optimizer's own) ``step`` (a float32 scalar
@@ -8,13 +8,13 @@ tensor), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape: compact
 blocks' scales, the float32 a load decodes), ``master`` where the checkpoint keeps one (float32, or a 24-bit
 master decoded exactly) and each tensor key of the user's own, as saved; and ``param_groups``, their params as
 those indexes. A parameter without state has no entry, as in torch.optim. ``torch.optim.AdamW.load_state_dict``
-takes it (and ignores ``master``). A per-rank checkpoint's OUT.pt is one rank's state (:mod:`.convert`).
+takes it (and ignores ``master``).
 
-Memory and checks as :mod:`.convert` and :mod:`.portable_consolidate`: every file is checked against the save's
-checksums before anything is written; OUT.pt is written first without its tensors' bytes (address space only),
+Memory and checks as :mod:`.portable_consolidate`: every file is checked against the save's checksums before
+anything is written; OUT.pt is written first without its tensors' bytes (address space only, :mod:`.skeleton_file`),
 then each tensor is read as the logical tensor it was saved as, whatever the saving world's pieces, a batch of rows
-of at most :data:`.portable_load.CHUNK` elements at a time, decoded and written in place. OUT.pt is written
-under a temporary name beside it, flushed and renamed into place once complete.
+of at most :data:`.portable_load.CHUNK` elements at a time, decoded and written in place. OUT.pt is written under a
+temporary name beside it, flushed and renamed into place once complete.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import IO, Any
 import torch
 
 from twinflow.checkpoint.checkpoint_files import CheckpointError, rename_into_place, temp_path, write_temp
-from twinflow.checkpoint.convert import write_skeleton
 from twinflow.checkpoint.portable import INFO
 from twinflow.checkpoint.portable_codes import (
     CODES,
@@ -44,6 +43,7 @@ from twinflow.checkpoint.portable_codes import (
 from twinflow.checkpoint.portable_load import Folder, Rows, RowsPlanner, row_batches
 from twinflow.checkpoint.portable_state import OPTIM
 from twinflow.checkpoint.safetensors_out import pwrite_all
+from twinflow.checkpoint.skeleton_file import write_skeleton
 from twinflow.precision import compact
 
 

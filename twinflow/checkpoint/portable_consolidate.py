@@ -3,8 +3,7 @@
     python -m twinflow.convert CKPT_DIR TAG --safetensors OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
         [--hf-config HF_DIR]
 
-The same output as :mod:`.consolidate` gives a per-rank checkpoint (its files, index, names and dtypes), from a
-checkpoint saved with ``portable=True`` by any number of ranks:
+From a checkpoint saved by any number of ranks (a per-rank one: after ``--to-portable``):
 
 - **The weights are the optimizer's masters** where the checkpoint keeps them (``master``: float32;
   ``master.hi`` and ``master.lo``: a 24-bit master, decoded exactly), else the model's tensors.

@@ -1,6 +1,5 @@
-"""One rank's shard of a per-rank checkpoint (:mod:`.checkpoint`), verified and read: in the file's order (its model's
-weights and masters, for :mod:`.consolidate`) or an element range of a tensor at a time (any of its state, for
-:mod:`.to_portable`).
+"""One rank's shard of a per-rank checkpoint (the format twinflow 0.1.0 wrote, one shard a rank beside a meta.json),
+verified and read an element range of a tensor at a time, for :mod:`.to_portable`.
 
 A compact shard (:mod:`.compact_checkpoint`) is verified whole when opened (its sha256, every frame against its
 head) and its records read again as asked: by range, the frames last read are kept (:class:`FrameCache`, one for
@@ -17,7 +16,6 @@ from typing import Any
 
 import torch
 
-from twinflow.base.distributed import local
 from twinflow.checkpoint.checkpoint_files import CheckpointError, hash_error, sha256_of, size_error
 from twinflow.checkpoint.compact_checkpoint import CompactShard, is_compact
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
@@ -46,25 +44,6 @@ def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tu
     if size != expected["bytes"]:
         raise size_error(tag, path, size, expected["bytes"])
     return path, expected
-
-
-def layout(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What the converter needs to name and merge the shards: each optimizer parameter's names in the model's state
-    dict (tied ones: every name, the first kept), and each model tensor that is a DTensor sharded on dim 0 (FSDP2)
-    with its whole shape."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    params = [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
-    sharded = {}
-    for key, t in model.state_dict().items():
-        placements = getattr(t, "placements", None)
-        if placements is not None and local(t) is not t:
-            if len(placements) != 1 or not placements[0].is_shard(0):
-                sharded[key] = None  # a placement the converter does not merge
-            else:
-                sharded[key] = list(t.shape)
-    return {"params": params, "sharded": sharded}
 
 
 class FrameCache:
@@ -170,7 +149,8 @@ class RankShard:
             raise CheckpointError(
                 f"{self.where}: it was saved before twinflow recorded which model tensor each optimizer parameter is, "
                 f"and the model's tensors of shape {guessed[0] if guessed else '(a parameter without state)'} do "
-                "not pair with the parameters one to one: resume it on as many ranks and save it again"
+                "not pair with the parameters one to one: resume it with twinflow 0.1.0 on as many ranks and save it "
+                "again (in the portable format, that version's default)"
             )
         taken = {shape: iter(keys) for shape, keys in queues.items()}
         names = [[next(taken[shape], None)] if shape in taken else [] for shape in self.shapes]

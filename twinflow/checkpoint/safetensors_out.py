@@ -1,9 +1,8 @@
 """Safetensors files that Hugging Face ``from_pretrained`` loads, written a piece at a time: the output's tensors
 (:class:`Out`), split into files of at most ``--max-shard-size`` with ``model.safetensors.index.json`` as
 ``save_pretrained`` writes them, each file's header first, then every element written in place with ``os.pwrite``
-by the reader of a checkpoint (:mod:`.consolidate`: per-rank shards; :mod:`.portable_consolidate`: a portable
-checkpoint), each file renamed into place once complete, the index last; and the names, dtypes and sizes they
-take."""
+by the reader of a checkpoint (:mod:`.portable_consolidate`), each file renamed into place once complete, the
+index last; and the names, dtypes and sizes they take."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def pwrite_all(fd: int, array: Any, offset: int) -> None:
 @dataclass
 class Out:
     """One tensor of the output: its name, shape and dtype, and where its elements come from (the reader's own
-    description: for a per-rank checkpoint (rank, "master", parameter index, first element) or (rank, "model",
-    key, first element))."""
+    description)."""
 
     name: str
     shape: list[int]

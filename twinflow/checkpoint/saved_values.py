@@ -1,58 +1,16 @@
-"""What a checkpoint keeps beside its tensors, checked before anything is written: the caller's ``extra`` (read
-back with ``torch.load(weights_only=True)``) and ``meta`` (JSON in the per-rank format's meta.json; read back like
-``extra`` in the portable format's twinflow.pt), each refusal a TypeError naming the entry and the fix; and the tag
-it is saved under (a ValueError)."""
+"""What a checkpoint keeps beside its tensors, checked before anything is written: the caller's ``extra`` and
+``meta`` (read back with ``torch.load(weights_only=True)`` from the portable format's twinflow.pt), each refusal a
+TypeError naming the entry and the fix; and the tag it is saved under (a ValueError)."""
 
 from __future__ import annotations
 
 import io
-import json
 import os
 from typing import Any
 
 import torch
 
 from twinflow.checkpoint.checkpoint_files import save_to_stream
-
-
-def _json_offender(value: Any, where: str) -> tuple[str, Any] | None:
-    """The first place in `value` that JSON cannot hold, as (where, what), or None."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return None
-    if isinstance(value, (list, tuple)):
-        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, dict):
-        for key in value:
-            if key is not None and not isinstance(key, (str, int, float, bool)):
-                return f"the key {key!r} of {where}", key
-        items = ((f"{where}[{key!r}]", v) for key, v in value.items())
-    else:
-        return where, value
-    for place, item in items:
-        found = _json_offender(item, place)
-        if found is not None:
-            return found
-    return None
-
-
-def meta_json(meta: Any) -> str:
-    """`meta` as JSON text; TypeError naming the first value JSON cannot hold."""
-    if not isinstance(meta, dict):
-        raise TypeError(f"meta= is a {type(meta).__name__}; expected a dict of JSON values (it becomes meta.json)")
-    try:
-        return json.dumps(meta)
-    except (TypeError, ValueError, RecursionError) as exc:
-        try:
-            found = _json_offender(meta, "meta")
-        except RecursionError:
-            found = None
-        if found is None:  # e.g. a dict that contains itself
-            raise TypeError(f"meta= cannot be written as JSON ({exc}); pass a tree of plain values") from exc
-        where, value = found
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which JSON cannot hold (meta= is saved as meta.json): pass "
-            "str, int, float, bool, None, lists and dicts with string keys, e.g. str(value) or tensor.tolist()"
-        ) from exc
 
 
 def weights_only_error(exc: Exception) -> str:

@@ -1,5 +1,5 @@
-"""A per-rank checkpoint (one shard a rank, :mod:`.checkpoint`) rewritten in the portable format (:mod:`.portable`),
-which any number of processes resumes from.
+"""A per-rank checkpoint (one shard a rank, which twinflow 0.1.0 wrote: :mod:`.rank_shard`) rewritten in the
+portable format (:mod:`.portable`), which any number of processes resumes from.
 
     python -m twinflow.convert CKPT_DIR TAG --to-portable OUT_DIR [--out-tag NEW]
 
@@ -9,7 +9,7 @@ each optimizer parameter's state by its name, the param groups, the scheduler's 
 the caller's meta; ``latest`` in OUT_DIR then names NEW. The engine's ``load_checkpoint`` (and
 :func:`twinflow.checkpoint.load_portable`) resumes it on any number of processes, at any ratio and precision.
 
-- **Ranks are merged** by the layout the shards record (:mod:`.consolidate`'s): a tensor FSDP2 sharded on dim 0
+- **Ranks are merged** by the layout the shards record: a tensor FSDP2 sharded on dim 0
   is its ranks' pieces in rank order; under ZeRO-1 a parameter's state comes from the rank whose optimizer holds
   it; under DDP from rank 0.
 - **Compact state is written as kept** (:mod:`.portable_codes`: each moment's codes and block scales, a 24-bit
@@ -138,7 +138,8 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
     CheckpointError naming what does not fit."""
     if len(ranks) > 1 and any(rank.layout is None for rank in ranks):
         raise CheckpointError(f"checkpoint {tag!r} was saved by {len(ranks)} ranks before twinflow recorded the "
-                              "shards' layout: resume it on as many ranks and save it again")  # fmt: skip
+                              "shards' layout: resume it with twinflow 0.1.0 on as many ranks and save it again "
+                              "(in the portable format, that version's default)")  # fmt: skip
     sharded = (ranks[0].layout or {}).get("sharded", {})
     odd = sorted(key for key, shape in sharded.items() if shape is None)
     if odd:

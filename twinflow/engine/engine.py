@@ -21,7 +21,8 @@ What it does with a config (see :mod:`twinflow.engine.config`):
   and 3 shard the model with FSDP2 (``fully_shard``; reshard after forward
   off for 2, on for 3) and TwinFlowAdam, attached, steps each rank's local
   shards as their reduce-scatter lands.
-- checkpoints: :mod:`twinflow.checkpoint.checkpoint` (atomic, one shard per rank).
+- checkpoints: :mod:`twinflow.checkpoint.portable` (on PyTorch's distributed checkpoint; any number of processes
+  resumes).
 - ``steps_per_print``: every that many optimizer steps, rank 0 writes one line
   through :func:`twinflow.base.notice.notice` (seen without configuring logging),
   as DeepSpeed does: step, skipped steps, the loss (mean of this rank's
@@ -45,7 +46,6 @@ from twinflow.base.distributed import rank_and_world
 from twinflow.base.notice import notice
 from twinflow.checkpoint import portable as portable_checkpoint
 from twinflow.checkpoint.any_format import load_either
-from twinflow.checkpoint.checkpoint import save_checkpoint
 from twinflow.engine.config import Config, ConfigError, load_config
 from twinflow.engine.schedulers import build_scheduler
 from twinflow.optim import offload_states
@@ -285,15 +285,15 @@ class Engine:
                         portable: bool = True, asynchronous: bool = False) -> Path:  # fmt: skip
         """Writes the model, the optimizer's state, the scheduler and the counters atomically, in the format any
         number of processes resumes from, under any stage, ratio or precision (:mod:`twinflow.checkpoint.portable`,
-        on PyTorch's distributed checkpoint); `portable=False`: one shard a rank, which only the same number of
-        processes resumes from (:mod:`twinflow.checkpoint.checkpoint`); `asynchronous` (portable only): written in
-        the background while training goes on, put in place at the next save or load or :meth:`wait_checkpoint`."""
-        self.wait_checkpoint()
-        if asynchronous and not portable:
+        on PyTorch's distributed checkpoint); `asynchronous`: written in the background while training goes on, put
+        in place at the next save or load or :meth:`wait_checkpoint`. `portable` is accepted as True only: the
+        per-rank format of twinflow 0.1.0 is no longer written."""
+        if not portable:
             raise ValueError(
-                "save_checkpoint(asynchronous=True, portable=False): only the portable format is written "
-                "in the background; leave portable=True (the default)"
+                "save_checkpoint(portable=False): the per-rank format (one shard a rank) is no longer written; "
+                "leave portable out: the portable format resumes on any number of processes, this one's included"
             )
+        self.wait_checkpoint()
         tag = tag or f"global_step{self.global_steps}"
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps, "client_state": client_state or {},
                  "skipped_steps": self.skipped_steps,
@@ -305,8 +305,6 @@ class Engine:
                 local["lr"] = group["lr"]
         parts = dict(model=self.module, optimizer=self.local_optimizer, scheduler=self.lr_scheduler, extra=extra,
                      meta=meta)  # fmt: skip
-        if not portable:
-            return save_checkpoint(save_dir, tag, **parts)
         saved = portable_checkpoint.save_portable(save_dir, tag, **parts, asynchronous=asynchronous)
         return saved.final if isinstance(saved, portable_checkpoint.PendingSave) else saved
 
