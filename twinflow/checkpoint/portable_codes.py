@@ -151,12 +151,13 @@ def _whole(t: torch.Tensor) -> tuple[int, Any]:
 def masters24_of(parts: list[Any], what: str, out: torch.Tensor | None = None, lo: int = 0,
                  hi: int | None = None) -> torch.Tensor:  # fmt: skip
     """This process's 24-bit masters' :data:`HI` or :data:`LO` (flat, in `out`, else new host memory), or their
-    elements [lo, hi), from the owner's `parts` (the weight and its residual joined a batch at a time on their
-    device, where asked for: the int64 scratch stays bounded)."""
+    elements [lo, hi), from the owner's `parts` (the weight and its residual joined a batch at a time on the
+    residual's device, where asked for: the int64 scratch stays bounded; while offload_states() keeps the residual
+    in host memory and the weight on its GPU, each batch of the weight comes to the host)."""
     low = what == LO
 
     def joined(weight: torch.Tensor, residual: torch.Tensor, a: int) -> Any:
-        return lambda x, y: weight_master.join(weight[a + x : a + y], residual[a + x : a + y])[low]
+        return lambda x, y: weight_master.join(weight[a + x : a + y].to(residual.device), residual[a + x : a + y])[low]
 
     def pieces() -> Any:
         for part in parts:
