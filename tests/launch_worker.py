@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.fsdp  # noqa: F401 - imported before the fork server forks: each rank starts warm
 
 import twinflow
 from twinflow.plan import host

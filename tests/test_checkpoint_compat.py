@@ -64,3 +64,22 @@ def test_the_converters_refuse_a_per_rank_checkpoint_naming_the_way(tmp_path, ca
         err = capsys.readouterr().err
         assert "per-rank checkpoint" in err and f"{folder} global_step4 --to-portable OUT_DIR" in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_command_is_quoted_for_the_shell_and_only_a_per_rank_checkpoint_is_sent_to_it(tmp_path) -> None:
+    """A directory with a space gets the command with the directory quoted, as pasted; a tag that is no checkpoint
+    at all (an empty directory, a missing tag beside a per-rank one) gets the portable load's own message."""
+    import shlex
+
+    folder = tmp_path / "per rank"
+    shutil.copytree(FIXTURES["per-rank"] / "fp32", folder)
+    engine, *_ = twinflow.initialize(model=model(seed=1), config=config("fp32"))
+    with pytest.raises(CheckpointError, match="is a per-rank one") as refused:
+        engine.load_checkpoint(folder, "latest")
+    command = str(refused.value).split("`")[1]
+    assert shlex.split(command)[3:6] == [str(folder), "global_step4", "--to-portable"], command
+    (tmp_path / "empty").mkdir()
+    for where, tag in ((tmp_path / "empty", None), (folder, "global_step9")):
+        with pytest.raises(CheckpointError) as missing:
+            engine.load_checkpoint(where, tag)
+        assert "per-rank" not in str(missing.value) and "meta.json" not in str(missing.value), missing.value

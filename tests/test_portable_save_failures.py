@@ -213,3 +213,12 @@ def test_a_file_of_rank_0_that_cannot_be_written_fails_the_save_on_every_rank_an
     else:  # the tag was in place when latest failed: complete, loadable by its name; latest names the old one
         assert (tmp_path / "latest").read_text() == "old" and not list(tmp_path.glob("*.saving"))
     loads_as_saved(tmp_path, "old", weights, state, "fp32")
+
+
+@pytest.mark.parametrize("tag", ["latest", ".hidden", "a/b", ""])
+def test_a_tag_that_is_no_plain_folder_name_is_refused_before_anything_is_written(tmp_path, tag: str) -> None:
+    model = make()
+    opt = TwinFlowAdam(model.parameters(), ratio=0.5)
+    with pytest.raises(ValueError, match=r"expected a plain folder name .*e\.g\. tag='step100'"):
+        portable.save_portable(tmp_path / "ckpt", tag, model=model, optimizer=opt)
+    assert not (tmp_path / "ckpt").exists()

@@ -3,12 +3,13 @@ loads, or one shard a rank (twinflow 0.1.0's), which :mod:`.to_portable` rewrite
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 from twinflow.checkpoint import checkpoint_files
 from twinflow.checkpoint.checkpoint_files import CheckpointError
-from twinflow.checkpoint.portable import holds
+from twinflow.checkpoint.portable import holds, latest_tag
 from twinflow.checkpoint.portable_load import Folder, load_portable
 
 
@@ -16,23 +17,40 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     """The tag (``latest``'s when None) and what was saved beside its tensors, in either format, checked (a
     CheckpointError names the problem and the fix): ``meta`` (the caller's; the engine's holds its config and the
     ratio it ran at), ``world_size``, ``twinflow_version``, and the format's own entries."""
-    tag = None if tag == "latest" else tag
-    if holds(Path(directory), tag):
-        folder = Folder(Path(directory), tag)
-        return folder.tag, folder.info
-    return checkpoint_files.read_meta(directory, tag)
+    found = per_rank(directory, tag)
+    if found is not None:
+        return found
+    folder = Folder(Path(directory), None if tag == "latest" else tag)  # a portable one, or the portable messages
+    return folder.tag, folder.info
+
+
+def per_rank(directory: str | Path, tag: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The tag and meta.json (checked: a CheckpointError names what is wrong) of `tag` (None or "latest":
+    ``latest``'s) of `directory` where its folder holds a per-rank checkpoint's meta.json; None otherwise (a portable
+    checkpoint, or none: the portable load's messages say what is there)."""
+    directory, tag = Path(directory), None if tag == "latest" else tag
+    if holds(directory, tag):
+        return None
+    name = tag if tag is not None else latest_tag(directory)
+    if not name or not (directory / name / "meta.json").is_file():
+        return None
+    return checkpoint_files.read_meta(directory, name)
+
+
+def rewrite_command(directory: str | Path, tag: str) -> str:
+    """The command that rewrites per-rank checkpoint `tag` of `directory` in the portable format."""
+    return f"python -m twinflow.convert {shlex.quote(str(directory))} {shlex.quote(tag)} --to-portable OUT_DIR"
 
 
 def load_either(directory: str | Path, tag: str | None = None, **parts: Any) -> tuple[Any, Any]:
     """:func:`.portable_load.load_portable`; a per-rank checkpoint is refused (nothing changes), naming the command
     that rewrites it in the portable format."""
-    tag = None if tag == "latest" else tag
-    if not holds(Path(directory), tag):
-        found, info = checkpoint_files.read_meta(directory, tag)  # a CheckpointError where there is no checkpoint
+    found = per_rank(directory, tag)
+    if found is not None:
         raise CheckpointError(
-            f"checkpoint {found!r} in {directory} is a per-rank one (one shard a rank, written by twinflow "
-            f"{info.get('twinflow_version', '0.1.0')}), which this twinflow no longer loads: rewrite it in the "
-            f"portable format with `python -m twinflow.convert {directory} {found} --to-portable OUT_DIR` and load "
-            "OUT_DIR, on any number of processes"
+            f"checkpoint {found[0]!r} in {str(directory)!r} is a per-rank one (one shard a rank, written by twinflow "
+            f"{found[1].get('twinflow_version', '0.1.0')}), which this twinflow no longer loads: rewrite it in the "
+            f"portable format with `{rewrite_command(directory, found[0])}` and load OUT_DIR, on any number of "
+            "processes"
         )
-    return load_portable(directory, tag, **parts)
+    return load_portable(directory, None if tag == "latest" else tag, **parts)

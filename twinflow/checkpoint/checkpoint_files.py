@@ -29,8 +29,8 @@ class CheckpointError(RuntimeError):
 
 SHARD_NAME = re.compile(r"rank\d+\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# Our temporaries: ".<target>.tmp<pid>@<host>", <target> being "latest", "meta.json" or "<tag>.rank<r>.pt" (a
-# shard staged in the checkpoint directory before its tag folder exists). Earlier versions wrote
+# Our temporaries: ".<target>.tmp<pid>@<host>", <target> being "latest"; twinflow 0.1.0's per-rank saves also left
+# "meta.json" and "<tag>.rank<r>.pt" (a shard staged before its tag folder existed), and earlier versions
 # ".rank<r>.pt.tmp<pid>" (and the others) without "@<host>": recognised too, so their leftovers are cleaned.
 _TEMP = re.compile(
     r"\.(?P<target>latest|meta\.json|(?:.+\.)?rank\d+\.pt)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9._-]+))?"
@@ -117,7 +117,7 @@ def _remove_temporaries(folder: Path, names: list[str]) -> list[str]:
 def remove_leftovers(directory: Path) -> None:
     """Removes the temporaries that saves which did not finish left in `directory` and its tag folders.
 
-    A file or folder goes only when its writers are certainly gone (see the module's docstring), so a rank
+    A file goes only when its writer is certainly gone (see the module's docstring), so a rank
     never removes what another rank or job is writing. One notice lists what was removed.
     """
     try:
@@ -397,10 +397,10 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
                 raise CheckpointError(
                     f"no checkpoint in {str(directory)!r}: no 'latest' file and no complete tag folder (one with "
                     f"meta.json){f'; incomplete, never finished: {incomplete}' if incomplete else ''}: pass the "
-                    "directory given to save_checkpoint"
+                    "directory the per-rank checkpoint was saved to"
                 )
             raise CheckpointError(
-                f"no 'latest' file in {str(directory)!r} (save_checkpoint writes it last); {_tag_hint(directory)}"
+                f"no 'latest' file in {str(directory)!r} (a save writes it last); {_tag_hint(directory)}"
             )
         tag = latest.read_text().strip()
         if not tag:
@@ -412,8 +412,8 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
         raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
     if not meta_path.is_file() and is_portable(folder):
         raise CheckpointError(
-            f"checkpoint {tag!r} in {str(directory)!r} is a portable one (engine.save_checkpoint's default, on "
-            "PyTorch's distributed checkpoint); this reads the per-rank format only. Load it with "
+            f"checkpoint {tag!r} in {str(directory)!r} is a portable one (the format twinflow saves, on PyTorch's "
+            "distributed checkpoint); this reads the per-rank format only. Load it with "
             "engine.load_checkpoint, on any number of processes, or twinflow.checkpoint.load_portable; for the hub, "
             "python -m twinflow.convert DIR TAG --safetensors OUT"
         )

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import io
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -202,13 +201,3 @@ class CompactShard:
         self.f.seek(self.offsets[n])
         size = struct.unpack("<QQ", self.f.read(16))[0]
         return torch.load(io.BytesIO(self.f.read(size)), map_location="cpu", weights_only=True)
-
-    def frames(self, kinds: tuple[str, ...] = ("model", "state")) -> Iterator[tuple[list, Any]]:
-        """Each record of `kinds` and its object, read again (in the file's order; others are skipped)."""
-        self.f.seek(self.body)
-        for record in self.records:
-            n = struct.unpack("<QQ", self.f.read(16))[0]
-            if record[0] not in kinds:
-                self.f.seek(n, io.SEEK_CUR)
-                continue
-            yield record, torch.load(io.BytesIO(self.f.read(n)), map_location="cpu", weights_only=True)

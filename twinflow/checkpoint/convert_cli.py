@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from twinflow.checkpoint.checkpoint_files import CheckpointError, format_bytes, read_meta
+from twinflow.checkpoint.any_format import per_rank, rewrite_command
+from twinflow.checkpoint.checkpoint_files import CheckpointError, format_bytes
 from twinflow.checkpoint.portable import holds
 from twinflow.checkpoint.portable_adamw import convert_portable
 from twinflow.checkpoint.portable_consolidate import consolidate_portable
@@ -72,20 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--max-shard-size: {exc}")
     try:
-        per_rank = not holds(Path(args.directory), None if args.tag == "latest" else args.tag)
         if args.to_portable is not None:
-            if not per_rank:
+            if holds(Path(args.directory), None if args.tag == "latest" else args.tag):
                 print(f"error: {args.directory} {args.tag} is already portable: load it as it is", file=sys.stderr)
                 return 1
             folder = to_portable(args.directory, args.tag, args.to_portable, args.out_tag, progress=True)
             print(f"wrote {folder}: a portable checkpoint, which any number of processes resumes from")
             return 0
-        if per_rank:
-            # a CheckpointError where there is no checkpoint at all
-            found, _ = read_meta(args.directory, None if args.tag == "latest" else args.tag)
-            print(f"error: {args.directory} {found} is a per-rank checkpoint (twinflow 0.1.0's): rewrite it in the "
-                  f"portable format first, `python -m twinflow.convert {args.directory} {found} --to-portable "
-                  "OUT_DIR`, then convert OUT_DIR", file=sys.stderr)  # fmt: skip
+        found = per_rank(args.directory, args.tag)
+        if found is not None:
+            print(f"error: {args.directory} {found[0]} is a per-rank checkpoint (twinflow 0.1.0's): rewrite it in the "
+                  f"portable format first, `{rewrite_command(args.directory, found[0])}`, then convert OUT_DIR",
+                  file=sys.stderr)  # fmt: skip
             return 1
         return _convert(args)
     except (CheckpointError, OSError) as exc:

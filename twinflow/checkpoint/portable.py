@@ -87,7 +87,7 @@ from twinflow.checkpoint.portable_state import (
     with_each,
 )
 from twinflow.checkpoint.portable_sums import THREADS, write_sums
-from twinflow.checkpoint.saved_values import check_extra, check_loadable
+from twinflow.checkpoint.saved_values import check_extra, check_loadable, check_tag
 from twinflow.version import __version__
 
 try:
@@ -299,6 +299,7 @@ def save_portable(directory: str | Path, tag: str, *, model: torch.nn.Module, op
     if asynchronous and not ASYNC_SAVE:
         raise RuntimeError(f"an asynchronous save needs torch >= 2.9 (this is {torch.__version__}): save with "
                            "asynchronous=False, or upgrade torch")  # fmt: skip
+    check_tag(tag)  # a plain folder name: not "latest", not hidden, no path
     start = time.perf_counter()
     rank, world = rank_and_world()
     directory = Path(directory)

@@ -9,8 +9,6 @@ all of a checkpoint's ranks). A torch.save shard is checked against its sha256 a
 from __future__ import annotations
 
 import collections
-import hashlib
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ from twinflow.precision.compact import BLOCK, blocks
 # A compact record's parts by the portable format's keys: each moment's codes and block scales, a 24-bit master's two
 RAW = {key_of(m, w): 2 * n + (w == SCALES) for n, m in enumerate(MOMENTS) for w in (CODES, SCALES)} | {HI: 4, LO: 5}
 CACHE_BYTES = 1 << 29  # frames kept for the next reads by range (a piece's keys read from the same ones), in all
-BATCH = 1 << 20  # elements of a torch.save shard's tensor read at once (hashed, or converted and written)
 
 
 def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tuple[Path, dict[str, Any]]:
@@ -35,8 +32,9 @@ def shard_file(directory: Path, tag: str, info: dict[str, Any], rank: int) -> tu
     expected = info["shards"].get(path.name)
     if expected is None:
         raise CheckpointError(
-            f"checkpoint {tag!r} has no shard {path.name}; its meta.json lists {sorted(info['shards'])}: pass the "
-            "rank of one of them, e.g. --rank 0"
+            f"checkpoint {tag!r} has no shard {path.name}, which a save by {info['world_size']} ranks writes; its "
+            f"meta.json lists {sorted(info['shards'])}: the checkpoint is damaged; copy the shard back from where "
+            "it was saved"
         )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {tag!r}: shard {path} is missing (meta.json records it): copy it back")
@@ -124,7 +122,6 @@ class RankShard:
                     self.shapes[i] = shapes[0]
             self.groups = optimizer.get("param_groups", [])
             self.scheduler, self.extra = self.whole.get("scheduler"), self.whole.get("extra")
-        self.masters = {i: math.prod(keys["master"]) for i, keys in self.state.items() if "master" in keys}
         self.kept_scales: dict[int, dict[str, torch.Tensor]] = {}  # the frames' of `scaled` params, by key
         self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
         self.cache = cache if cache is not None else FrameCache()  # frames read by range
@@ -132,11 +129,11 @@ class RankShard:
         self.numel = {key: shape.numel() for key, shape, _ in self.model}
         self.index = {key: k for k, (key, _, _) in enumerate(self.model)}
 
-    def names(self, strict: bool = False) -> list[list[str]]:
+    def names(self) -> list[list[str]]:
         """Each optimizer parameter's names: from the layout, else (a checkpoint saved before the layout was
-        recorded) paired with the model's floating tensors of its shape, in order. `strict`: CheckpointError where
-        that pairing is a guess (a shape with more such tensors than parameters: buffers, or tensors without
-        state)."""
+        recorded) paired with the model's floating tensors of its shape, in order; CheckpointError where that
+        pairing is a guess (a shape with more such tensors than parameters: buffers, tied copies, or tensors
+        without state)."""
         if self.layout is not None:
             return [list(names) for names in self.layout["params"]]
         queues: dict[torch.Size, list[str]] = {}
@@ -145,7 +142,7 @@ class RankShard:
                 queues.setdefault(shape, []).append(key)
         wanted = collections.Counter(shape for shape in self.shapes if shape is not None)
         guessed = sorted(str(list(shape)) for shape, n in wanted.items() if len(queues.get(shape, [])) != n)
-        if strict and (guessed or None in self.shapes):
+        if guessed or None in self.shapes:
             raise CheckpointError(
                 f"{self.where}: it was saved before twinflow recorded which model tensor each optimizer parameter is, "
                 f"and the model's tensors of shape {guessed[0] if guessed else '(a parameter without state)'} do "
@@ -153,34 +150,7 @@ class RankShard:
                 "again (in the portable format, that version's default)"
             )
         taken = {shape: iter(keys) for shape, keys in queues.items()}
-        names = [[next(taken[shape], None)] if shape in taken else [] for shape in self.shapes]
-        names = [[n for n in pair if n is not None] for pair in names]
-        # A tensor paired with no parameter, of the same bytes as one paired: a tied duplicate (an lm_head saved
-        # with the embeddings), written once as with the layout (twice, from_pretrained would not tie them)
-        kinds = {key: (shape, dtype) for key, shape, dtype in self.model}
-        first = {key: i for i, n in enumerate(names) for key in n}
-        rest = [key for key, (_, dtype) in kinds.items() if key not in first and dtype.is_floating_point]
-        pairs = [(key, other) for key in rest for other in first if kinds[other] == kinds[key]]
-        digests = self._digests({k for pair in pairs for k in pair})
-        for key, other in pairs:
-            if key not in names[first[other]] and digests[key] == digests[other]:
-                names[first[other]].append(key)
-        return names
-
-    def _digests(self, keys: set[str]) -> dict[str, str]:
-        """The sha256 of each model tensor of `keys`, read a record (or BATCH elements) at a time."""
-        digests = {key: hashlib.sha256() for key in keys}
-        if self.shard is None:
-            for key in keys:
-                flat = self.whole["model"][key].reshape(-1)
-                for a in range(0, flat.numel(), BATCH):
-                    digests[key].update(flat[a : a + BATCH].contiguous().view(torch.uint8).numpy())
-        elif keys:
-            for record, payload in self.shard.frames(("model",)):
-                key = self.model[record[1]][0]
-                if key in digests:
-                    digests[key].update(payload.contiguous().view(torch.uint8).numpy())
-        return {key: digest.hexdigest() for key, digest in digests.items()}
+        return [[next(taken[shape])] if shape in taken else [] for shape in self.shapes]
 
     def values(self, kind: str, ref: int | str, key: str | None, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of a tensor, flat: model tensor `ref` (kind "model", its key; `key` None) in its dtype,

@@ -150,7 +150,7 @@ def plan(ranks: list[RankShard], tag: str) -> tuple[dict[str, Any], dict[str, An
         whole = list(sharded.get(key) or shape)
         out[MODEL][key] = Logical(whole, dtype, _pieces(ranks, key, sharded, _Model(ranks, key)))
     holders: dict[str, dict[int, int]] = {}  # a parameter's name (its last, as a portable save names it) -> rank: i
-    every = [rank.names(strict=True) for rank in ranks]
+    every = [rank.names() for rank in ranks]
     first_of = {n[-1]: n[0] for names in every for n in names if n}  # its model key (the sharded tensors' name)
     for r, names in enumerate(every):
         for i, n in enumerate(names):
