@@ -35,7 +35,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TEMP = re.compile(
     r"\.(?P<target>latest|meta\.json|(?:.+\.)?rank\d+\.pt)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9._-]+))?"
 )
-DAMAGED = "The checkpoint is damaged or was not written by twinflow: load another tag, or save it again"
+DAMAGED = (
+    "The checkpoint is damaged or was not written by twinflow: convert another tag, or copy it again from where it "
+    "was saved"
+)
 HASH_BLOCK = 1 << 20  # bytes a hash reads at once
 
 
@@ -251,7 +254,7 @@ def size_error(tag: str, path: Path, found: int, recorded: int) -> CheckpointErr
     """The refusal of shard `path` of checkpoint `tag` whose size is not the one its meta.json records."""
     return CheckpointError(
         f"checkpoint {tag!r}: shard {path} is {found} bytes, its meta.json records {recorded}: the shard is "
-        "truncated or corrupt, or was replaced after saving; load another tag, or restore the shard"
+        "truncated or corrupt, or was replaced after saving; convert another tag, or restore the shard"
     )
 
 
@@ -259,7 +262,7 @@ def hash_error(tag: str, path: Path, found: str, recorded: str, size: int) -> Ch
     """The refusal of shard `path` of checkpoint `tag` (of the recorded `size`) whose sha256 is not the recorded."""
     return CheckpointError(
         f"checkpoint {tag!r}: shard {path} has sha256 {found}, its meta.json records {recorded} (the size, {size} "
-        "bytes, matches): the shard is corrupt or was replaced after saving; load another tag, or restore the shard"
+        "bytes, matches): the shard is corrupt or was replaced after saving; convert another tag, or restore the shard"
     )
 
 
@@ -420,7 +423,7 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     if not meta_path.is_file():
         raise CheckpointError(
             f"{named_by}checkpoint {tag!r} in {str(directory)!r} is incomplete (no meta.json): it was never "
-            f"finished; load another tag: {_tag_hint(directory)}"
+            f"finished; convert another tag: {_tag_hint(directory)}"
         )
     try:
         info = json.loads(meta_path.read_text())

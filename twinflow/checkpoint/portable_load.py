@@ -381,6 +381,7 @@ class StateReader:
                           weights_follow=False)  # fmt: skip
             if entry is not None:
                 steps[i] = int(entry["step"])
+            entry = None  # let go before the next parameter's batch is read: one batch held, not two
         owner.loaded_raw(steps)  # the step counts and a load's bookkeeping; every other parameter starts afresh
 
     def _read(self, batch: list[int]) -> dict[int, dict[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from twinflow.checkpoint.checkpoint_files import CheckpointError, hash_error, sha256_of, size_error
+from twinflow.checkpoint.checkpoint_files import DAMAGED, CheckpointError, hash_error, sha256_of, size_error
 from twinflow.checkpoint.compact_checkpoint import CompactShard, is_compact
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
 from twinflow.precision import compact
@@ -101,7 +101,14 @@ class RankShard:
             found = sha256_of(path)
             if found != expected["sha256"]:
                 raise hash_error(tag, path, found, expected["sha256"], expected["bytes"])
-            self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            try:
+                self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            except MemoryError:
+                raise
+            except Exception as exc:  # a shard damaged before its meta.json recorded it: torch's error, named
+                what = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                raise CheckpointError(f"{self.where}: it cannot be read with torch.load(weights_only=True) "
+                                      f"({what}). {DAMAGED}") from exc  # fmt: skip
             if not isinstance(self.whole, dict) or not isinstance(self.whole.get("model"), dict):
                 raise CheckpointError(f"{self.where}: it holds no model state dict")
             self.model = [(key, t.shape, t.dtype) for key, t in self.whole["model"].items()]
