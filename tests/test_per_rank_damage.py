@@ -128,7 +128,11 @@ def test_a_torch_save_shard_whose_size_and_hash_are_recorded_is_refused_naming_i
         data[400] ^= 0xFF
     shard.write_bytes(bytes(data))
     record_as_it_is(shard)
-    refused(ckpt, "a", out, re.escape(str(shard)))
+    message = refused(ckpt, "a", out, re.escape(str(shard)))
+    if damage == "truncated":
+        assert "cannot be memory-mapped" in message and "truncated or damaged" in message, message
+    else:
+        assert "cannot be read with torch.load" in message and "damaged or was not written by" in message, message
 
 
 @pytest.mark.parametrize("kind", SHARD_KINDS)

@@ -215,7 +215,7 @@ def test_a_file_of_rank_0_that_cannot_be_written_fails_the_save_on_every_rank_an
     loads_as_saved(tmp_path, "old", weights, state, "fp32")
 
 
-@pytest.mark.parametrize("tag", ["latest", ".hidden", "a/b", ""])
+@pytest.mark.parametrize("tag", ["latest", ".hidden", "a/b", "", "x.saving", "x.old"])
 def test_a_tag_that_is_no_plain_folder_name_is_refused_before_anything_is_written(tmp_path, tag: str) -> None:
     model = make()
     opt = TwinFlowAdam(model.parameters(), ratio=0.5)

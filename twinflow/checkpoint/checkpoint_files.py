@@ -203,13 +203,17 @@ def make_dirs(path: Path) -> list[Path]:
     while not path.exists() and path != path.parent:
         missing.append(path)
         path = path.parent
-    created = []
-    for folder in reversed(missing):
-        try:
-            folder.mkdir()
-        except FileExistsError:  # another rank made it: not ours to remove
-            continue
-        created.append(folder)
+    created: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:  # another rank made it: not ours to remove
+                continue
+            created.append(folder)
+    except BaseException:  # a full disk, a Ctrl-C part way: the folders made so far go again
+        remove_created(created)
+        raise
     return created
 
 

@@ -397,9 +397,7 @@ def _make_room(directory: Path, saving: Path, write_info: Any) -> list[Path]:
             write_info()
         except BaseException as exc:  # noqa: BLE001 (raised below on every rank)
             shutil.rmtree(saving, ignore_errors=True)
-            remove_created(created)
-            if not isinstance(exc, Exception):  # Ctrl-C: what it made is gone, and it goes on at once
-                raise
+            remove_created(created)  # a Ctrl-C too: it is raised below, on every rank, as any failure here
             why = (unwritable_error(exc, directory) if isinstance(exc, OSError) else None) or exc
     told = gathered({rank_and_world()[0]: None if why is None else _told(why)})  # every rank waits for the folder
     if why is not None:

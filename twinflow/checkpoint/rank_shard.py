@@ -17,6 +17,7 @@ import torch
 from twinflow.checkpoint.checkpoint_files import DAMAGED, CheckpointError, hash_error, sha256_of, size_error
 from twinflow.checkpoint.compact_checkpoint import CompactShard, is_compact
 from twinflow.checkpoint.portable_codes import CODES, HI, LO, MOMENTS, SCALES, key_of
+from twinflow.checkpoint.saved_values import weights_only_error
 from twinflow.precision import compact
 from twinflow.precision.compact import BLOCK, blocks
 
@@ -105,10 +106,13 @@ class RankShard:
                 self.whole = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
             except MemoryError:
                 raise
+            except OSError as exc:  # a truncated shard cannot be mapped, nor one on a file system without mmap
+                raise CheckpointError(f"{self.where}: it cannot be memory-mapped ({exc}): the shard is truncated or "
+                                      "damaged, or its file system cannot map files; copy it to a local disk and "
+                                      "convert it there") from exc  # fmt: skip
             except Exception as exc:  # a shard damaged before its meta.json recorded it: torch's error, named
-                what = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 raise CheckpointError(f"{self.where}: it cannot be read with torch.load(weights_only=True) "
-                                      f"({what}). {DAMAGED}") from exc  # fmt: skip
+                                      f"({weights_only_error(exc)}). {DAMAGED}") from exc  # fmt: skip
             if not isinstance(self.whole, dict) or not isinstance(self.whole.get("model"), dict):
                 raise CheckpointError(f"{self.where}: it holds no model state dict")
             self.model = [(key, t.shape, t.dtype) for key, t in self.whole["model"].items()]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from twinflow.checkpoint.checkpoint_files import save_to_stream
+from twinflow.checkpoint.checkpoint_files import PORTABLE_OLD, PORTABLE_SAVING, save_to_stream
 
 
 def weights_only_error(exc: Exception) -> str:
@@ -60,8 +60,10 @@ def check_extra(extra: Any) -> None:
 
 def check_tag(tag: Any) -> None:
     """ValueError unless `tag` names a checkpoint's folder plainly (not ``latest``, not hidden, no path)."""
-    if not isinstance(tag, str) or not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == "latest":
+    plain = isinstance(tag, str) and tag and "/" not in tag and os.sep not in tag and not tag.startswith(".")
+    if not plain or tag == "latest" or tag.endswith((PORTABLE_SAVING, PORTABLE_OLD)):
         raise ValueError(
             f"tag={tag!r}; expected a plain folder name (a non-empty string without '/', not starting with '.', "
-            "not 'latest'), e.g. tag='step100'"
+            f"not 'latest', not ending in {PORTABLE_SAVING!r} or {PORTABLE_OLD!r}: a save's own folders), e.g. "
+            "tag='step100'"
         )
