@@ -29,10 +29,9 @@ def extra(fn):  # noqa: ANN001, ANN201
     return torch.cuda.max_memory_allocated() - max(before, torch.cuda.memory_allocated()), out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="the JSON file (default $OUT/compact_device_peaks.json)")
-    args = parser.parse_args()
+def measure(folder: Path) -> dict:
+    """The peaks (bytes above what is kept) of each phase, the optimizer's chunk and device state bytes, and the
+    layer's elements; the portable checkpoint goes to `folder` (tests/test_device_compact.py bounds the peaks)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8192, 8192, bias=False, device="cuda", dtype=torch.bfloat16)
     peaks = {}
@@ -41,12 +40,22 @@ def main() -> None:
     opt.step()
     opt.zero_grad()
     peaks["state_dict"], state = extra(opt.state_dict)
-    with tempfile.TemporaryDirectory() as folder:
-        peaks["save"], _ = extra(lambda: save_portable(folder, "t", model=model, optimizer=opt))
-        peaks["load"], _ = extra(lambda: load_portable(folder, model=model, optimizer=opt))
+    peaks["save"], _ = extra(lambda: save_portable(folder, "t", model=model, optimizer=opt))
+    peaks["load"], _ = extra(lambda: load_portable(folder, model=model, optimizer=opt))
     peaks["load_state_dict"], _ = extra(lambda: opt.load_state_dict(state))
-    row = {"peaks_mib": {k: v / 2**20 for k, v in peaks.items()}, "chunk_mib": opt.chunk_bytes / 2**20,
-           "float32_copy_mib": 4 * model.weight.numel() / 2**20, "machine": machine_info()}  # fmt: skip
+    return {"peaks": peaks, "chunk_bytes": opt.chunk_bytes, "numel": model.weight.numel(),
+            "state_bytes": opt.split_summary["device"]["state_bytes"]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="the JSON file (default $OUT/compact_device_peaks.json)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        measured = measure(Path(folder))
+    row = {"peaks_mib": {k: v / 2**20 for k, v in measured["peaks"].items()},
+           "chunk_mib": measured["chunk_bytes"] / 2**20, "float32_copy_mib": 4 * measured["numel"] / 2**20,
+           "machine": machine_info()}  # fmt: skip
     write_json(row, "compact_device_peaks.json", args.out)
     print(row["peaks_mib"], row["chunk_mib"])
 

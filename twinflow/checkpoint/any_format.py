@@ -9,7 +9,7 @@ from typing import Any
 
 from twinflow.checkpoint import checkpoint_files
 from twinflow.checkpoint.checkpoint_files import CheckpointError
-from twinflow.checkpoint.portable import holds, latest_tag
+from twinflow.checkpoint.portable import holds, tag_named
 from twinflow.checkpoint.portable_load import Folder, load_portable
 
 
@@ -20,7 +20,7 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
     found = per_rank(directory, tag)
     if found is not None:
         return found
-    folder = Folder(Path(directory), None if tag == "latest" else tag)  # a portable one, or the portable messages
+    folder = Folder(Path(directory), tag)  # a portable one, or the portable messages
     return folder.tag, folder.info
 
 
@@ -28,10 +28,10 @@ def per_rank(directory: str | Path, tag: str | None) -> tuple[str, dict[str, Any
     """The tag and meta.json (checked: a CheckpointError names what is wrong) of `tag` (None or "latest":
     ``latest``'s) of `directory` where its folder holds a per-rank checkpoint's meta.json; None otherwise (a portable
     checkpoint, or none: the portable load's messages say what is there)."""
-    directory, tag = Path(directory), None if tag == "latest" else tag
+    directory = Path(directory)
     if holds(directory, tag):
         return None
-    name = tag if tag is not None else latest_tag(directory)
+    name = tag_named(directory, tag)
     if not name or not (directory / name / "meta.json").is_file():
         return None
     return checkpoint_files.read_meta(directory, name)
@@ -53,4 +53,4 @@ def load_either(directory: str | Path, tag: str | None = None, **parts: Any) -> 
             f"portable format with `{rewrite_command(directory, found[0])}` and load OUT_DIR, on any number of "
             "processes"
         )
-    return load_portable(directory, None if tag == "latest" else tag, **parts)
+    return load_portable(directory, tag, **parts)

@@ -392,11 +392,12 @@ def _check_meta(meta_path: Path, info: Any) -> None:
 
 
 def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[str, Any]]:
-    """The tag (``latest`` when None) and its metadata, checked; CheckpointError naming the problem and the fix."""
+    """The tag (``latest``'s when None or "latest") and its metadata, checked; CheckpointError naming the problem and
+    the fix."""
     directory = Path(directory)
     _check_directory(directory)
     named_by = ""
-    if tag is None:
+    if tag in (None, "latest"):
         latest = directory / "latest"
         if not latest.is_file():
             complete, incomplete = _tags(directory)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-shard-size: {exc}")
     try:
         if args.to_portable is not None:
-            if holds(Path(args.directory), None if args.tag == "latest" else args.tag):
+            if holds(Path(args.directory), args.tag):
                 print(f"error: {args.directory} {args.tag} is already portable: load it as it is", file=sys.stderr)
                 return 1
             folder = to_portable(args.directory, args.tag, args.to_portable, args.out_tag, progress=True)

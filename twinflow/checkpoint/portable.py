@@ -113,9 +113,9 @@ SAVING, OLD = PORTABLE_SAVING, PORTABLE_OLD
 
 
 def holds(directory: Path, tag: str | None) -> bool:
-    """Whether `tag` (None: ``latest``'s) of `directory` is a checkpoint of this format (or its ``.old`` copy: a
-    process that died between a re-save's renames)."""
-    tag = tag if tag is not None else latest_tag(directory)
+    """Whether `tag` (None or "latest": ``latest``'s) of `directory` is a checkpoint of this format (or its ``.old``
+    copy: a process that died between a re-save's renames)."""
+    tag = tag_named(directory, tag)
     return tag is not None and (is_portable(directory / tag) or is_portable(directory / (tag + OLD)))
 
 
@@ -423,8 +423,13 @@ def latest_tag(directory: Path) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
+def tag_named(directory: Path, tag: str | None) -> str | None:
+    """`tag`; for None or "latest", the tag ``latest`` names in `directory` (None where there is none)."""
+    return latest_tag(directory) if tag in (None, "latest") else tag
+
+
 def tag_of(directory: Path, tag: str | None) -> str:
-    tag = tag if tag is not None else latest_tag(directory)
+    tag = tag_named(directory, tag)
     if tag is None:
         raise CheckpointError(f"no 'latest' in {directory}: name a tag, or save a checkpoint there first")
     return tag

@@ -154,7 +154,7 @@ def _write(f: IO[bytes], path: Path, at: Folder) -> None:
 def convert_portable(directory: str | Path, tag: str | None, out: str | Path) -> Path:
     """Writes portable checkpoint `tag`'s (None or "latest": the latest) optimizer state in `directory` to `out`,
     in torch.optim's layout (module docstring); CheckpointError naming what is wrong. Returns `out`."""
-    at = Folder(Path(directory), None if tag == "latest" else tag)
+    at = Folder(Path(directory), tag)
     at.check_pieces(at.metadata.storage_data.values())  # every file, before anything is written
     out = Path(out)
     tmp = temp_path(out.parent, out.name)

@@ -94,7 +94,7 @@ def consolidate_portable(directory: str | Path, tag: str | None, out_dir: str | 
     safetensors (module docstring); CheckpointError naming what is wrong. Returns the files written."""
     dtype = checked_dtype(dtype, hf_config)
     max_bytes = parse_size(max_shard_size)
-    at = Folder(Path(directory), None if tag == "latest" else tag)
+    at = Folder(Path(directory), tag)
     at.check_pieces(at.metadata.storage_data.values())  # every file, before anything is written
     outs = _plan(at.metadata, at.info, dtype, at.tag)
 

@@ -293,7 +293,7 @@ def to_portable(directory: str | Path, tag: str | None, out_dir: str | Path, out
     `out_tag` (default: the same tag) (module docstring); returns its folder. CheckpointError names what is wrong;
     nothing is left of a conversion that fails."""
     directory, out_dir = Path(directory), Path(out_dir)
-    tag, info = read_meta(directory, None if tag == "latest" else tag)
+    tag, info = read_meta(directory, tag)
     out_tag = tag if out_tag is None else out_tag
     try:
         check_tag(out_tag)
