@@ -4,11 +4,26 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def source_commit() -> str | None:
+    """The commit these scripts ran from: git's HEAD (with "-dirty" where tracked files differ from it), else
+    $TWINFLOW_COMMIT (a copy of the tree without .git: the caller names it), else None."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("TWINFLOW_COMMIT") or None
+    return head + ("-dirty" if dirty else "")
 
 
 def machine_info() -> dict:
@@ -35,6 +50,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        "commit": source_commit(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

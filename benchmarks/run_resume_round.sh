@@ -15,6 +15,7 @@
 # copies on K threads; NAME=S adds S to the output's name; SPY=1
 # samples every thread with py-spy (on the PATH) into $OUT/<the output's name>.spy.txt (benchmarks/spy_summary.py
 # reads it; a run that wrote no JSON fails, as py-spy exits 0 whatever its child did). NVLink multicast stays off.
+# TWINFLOW_COMMIT=<hash> names the tree's commit in the JSON's "machine" where the tree is a copy without .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -69,7 +69,8 @@ def test_the_converters_refuse_a_per_rank_checkpoint_naming_the_way(tmp_path, ca
 
 def test_the_command_is_quoted_for_the_shell_and_only_a_per_rank_checkpoint_is_sent_to_it(tmp_path) -> None:
     """A directory with a space gets the command with the directory quoted, as pasted; a tag that is no checkpoint
-    at all (an empty directory, a missing tag beside a per-rank one) gets the portable load's own message."""
+    at all gets the portable load's own message: in an empty directory, no word of the per-rank format; beside a
+    per-rank checkpoint, that one listed apart with the command that rewrites it."""
     import shlex
 
     folder = tmp_path / "per rank"
@@ -80,7 +81,12 @@ def test_the_command_is_quoted_for_the_shell_and_only_a_per_rank_checkpoint_is_s
     command = str(refused.value).split("`")[1]
     assert shlex.split(command)[3:6] == [str(folder), "global_step4", "--to-portable"], command
     (tmp_path / "empty").mkdir()
-    for where, tag in ((tmp_path / "empty", None), (folder, "global_step9")):
-        with pytest.raises(CheckpointError) as missing:
-            engine.load_checkpoint(where, tag)
-        assert "per-rank" not in str(missing.value) and "meta.json" not in str(missing.value), missing.value
+    with pytest.raises(CheckpointError, match="holds no complete portable checkpoint") as missing:
+        engine.load_checkpoint(tmp_path / "empty")
+    assert "per-rank" not in str(missing.value) and "meta.json" not in str(missing.value), missing.value
+    with pytest.raises(CheckpointError, match="global_step9 holds no complete portable checkpoint") as missing:
+        engine.load_checkpoint(folder, "global_step9")
+    message = str(missing.value)
+    assert "it also holds per-rank checkpoints, which this twinflow no longer loads: ['global_step4']" in message
+    assert f"(the newest: `{rewrite_command(folder, 'global_step4')}`)" in message, message
+    assert engine.global_steps == 0 and not engine.local_optimizer.state

@@ -135,6 +135,27 @@ def test_a_torch_save_shard_whose_size_and_hash_are_recorded_is_refused_naming_i
         assert "cannot be read with torch.load" in message and "damaged or was not written by" in message, message
 
 
+def open_descriptors(path: Path) -> list[str]:
+    """This process's file descriptors open on `path` (Linux's /proc)."""
+    fds = Path("/proc/self/fd")
+    return [fd.name for fd in fds.iterdir() if os.path.realpath(fd) == os.path.realpath(path)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads the open files in Linux's /proc")
+@pytest.mark.parametrize("kind", SHARD_KINDS)
+def test_a_refused_shard_is_closed_while_the_error_is_still_held(copy, tmp_path: Path, kind: str) -> None:
+    """The shard opened for its checks is closed when they refuse it, not when the traceback (holding the
+    half-made reader) is let go: a caller that keeps the error, or a notebook showing it, holds no file open."""
+    ckpt = copy(kind)
+    shard = ckpt / "a" / "rank0.pt"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="has sha256") as caught:
+        to_portable.to_portable(ckpt, "a", tmp_path / "out")
+    assert caught.traceback and not open_descriptors(shard)
+
+
 @pytest.mark.parametrize("kind", SHARD_KINDS)
 def test_a_size_mismatch_says_both_sizes(copy, out: Path, kind: str) -> None:
     ckpt = copy(kind)

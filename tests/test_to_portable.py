@@ -156,6 +156,25 @@ def test_the_converted_checkpoint_converts_to_the_same_adamw_state_and_hub_weigh
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(v, weights[1][k]) for k, v in weights[0].items())
 
 
+def _dcp_tensors(folder: Path, tmp_path: Path) -> dict:
+    """Every tensor of portable checkpoint `folder` (DCP's part, read whole), by its flattened key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / f"{folder.parent.name}_{folder.name}_whole.pt"
+    dcp_to_torch_save(folder, whole)
+    flat: dict = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+
+    walk("", torch.load(whole, weights_only=True))
+    return flat
+
+
 def dcp_pieces(folder: Path) -> dict[str, int]:
     """How many pieces DCP's metadata in `folder` holds of each tensor."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -188,10 +207,14 @@ def test_a_converted_checkpoint_of_two_ranks_resumes_on_two_exactly_and_on_one(f
     assert any("exp_avg.codes" in k for k in keys.values()) == (precision == "int8_m24" and stage != 3)
     again = _launch(tmp_path, "two", 2, stage, precision, 0.5, "--load", str(out))
     assert again["global_steps"] == len(first["before"])
-    # bit for bit where this machine trains as the one that wrote the fixture did, up to the save (the same run)
+    # bit for bit where this machine trains as the one that wrote the fixture did, up to the save: the same state
+    # goes on as this machine's own run does (the losses before the save are no test of that: state a bit apart
+    # can give the same float32 losses, and does on an AMD EPYC's BLAS)
     here = _launch(tmp_path, "here", 2, stage, precision, 0.5, "--save", str(tmp_path / "here_ckpt"))
-    exact = here["before"] == first["before"]
-    _goes_on_as_recorded(again["after"], first["after"], exact)
+    if _same(_dcp_tensors(out / "moved", tmp_path), _dcp_tensors(tmp_path / "here_ckpt" / "moved", tmp_path)):
+        assert again["after"] == here["after"]
+    else:
+        _goes_on_as_recorded(again["after"], first["after"], exact=False)
     alone = _launch(tmp_path, "one", 1, stage, precision, 0.5, "--load", str(out))
     assert alone["after"] == pytest.approx(first["after"], rel=1e-4 if precision == "fp32" else 2e-2)
 

@@ -3,12 +3,11 @@ loads, or one shard a rank (twinflow 0.1.0's), which :mod:`.to_portable` rewrite
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
 from twinflow.checkpoint import checkpoint_files
-from twinflow.checkpoint.checkpoint_files import CheckpointError
+from twinflow.checkpoint.checkpoint_files import CheckpointError, rewrite_command
 from twinflow.checkpoint.portable import holds, tag_named
 from twinflow.checkpoint.portable_load import Folder, load_portable
 
@@ -35,11 +34,6 @@ def per_rank(directory: str | Path, tag: str | None) -> tuple[str, dict[str, Any
     if not name or not (directory / name / "meta.json").is_file():
         return None
     return checkpoint_files.read_meta(directory, name)
-
-
-def rewrite_command(directory: str | Path, tag: str) -> str:
-    """The command that rewrites per-rank checkpoint `tag` of `directory` in the portable format."""
-    return f"python -m twinflow.convert {shlex.quote(str(directory))} {shlex.quote(tag)} --to-portable OUT_DIR"
 
 
 def load_either(directory: str | Path, tag: str | None = None, **parts: Any) -> tuple[Any, Any]:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -282,6 +283,11 @@ def sha256_of(path: Path) -> str:
 PORTABLE_INFO = "twinflow.pt"  # a portable checkpoint's non-tensor part, beside DCP's .metadata (:mod:`.portable`)
 # The folder a portable save writes a tag into, and the one its tag's previous folder waits in while it is renamed
 PORTABLE_SAVING, PORTABLE_OLD = ".saving", ".old"
+
+
+def rewrite_command(directory: str | Path, tag: str) -> str:
+    """The command that rewrites per-rank checkpoint `tag` of `directory` in the portable format."""
+    return f"python -m twinflow.convert {shlex.quote(str(directory))} {shlex.quote(tag)} --to-portable OUT_DIR"
 
 
 def is_portable(folder: Path) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from twinflow.checkpoint.checkpoint_files import PORTABLE_OLD as OLD
 from twinflow.checkpoint.checkpoint_files import PORTABLE_SAVING as SAVING
-from twinflow.checkpoint.checkpoint_files import CheckpointError, is_portable
+from twinflow.checkpoint.checkpoint_files import CheckpointError, is_portable, rewrite_command
 
 DAMAGED = "(the file is damaged); nothing was changed: load another tag, or save it again"
 
@@ -22,16 +22,25 @@ DAMAGED = "(the file is damaged); nothing was changed: load another tag, or save
 def tags_hint(directory: Path) -> str:
     """The complete portable tags `directory` holds (oldest first), and how to load one: not the folder of a save
     killed before it was put in place (``<tag>.saving``); a ``<tag>.old`` only as its tag, where the process died
-    between a re-save's renames (the load reads it there)."""
-    folders = {}
+    between a re-save's renames (the load reads it there). Per-rank tags there are listed apart, with the command
+    that rewrites one in the portable format."""
+    folders, older = {}, {}
     for p in directory.iterdir():
         tag = p.name[: -len(OLD)] if p.name.endswith(OLD) else p.name
         if not p.name.endswith(SAVING) and is_portable(p) and (tag == p.name or not (directory / tag).exists()):
-            folders[tag] = p
-    tags = sorted(folders, key=lambda tag: ((folders[tag] / ".metadata").stat().st_mtime, tag))
+            folders[tag] = p / ".metadata"
+        elif (p / "meta.json").is_file():  # a per-rank checkpoint: the command that rewrites it is named
+            older[p.name] = p / "meta.json"
+    tags, per_rank = (sorted(found, key=lambda tag: (found[tag].stat().st_mtime, tag)) for found in (folders, older))
     if not tags:
-        return f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
-    return f"pass tag= one of those {directory} holds, oldest first: {tags} (the newest: tag={tags[-1]!r})"
+        hint = f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
+    else:
+        hint = f"pass tag= one of those {directory} holds, oldest first: {tags} (the newest: tag={tags[-1]!r})"
+    if per_rank:
+        hint += (f"; it also holds per-rank checkpoints, which this twinflow no longer loads: {per_rank}; rewrite one "
+                 f"in the portable format (the newest: `{rewrite_command(directory, per_rank[-1])}`) and load "
+                 "OUT_DIR")  # fmt: skip
+    return hint
 
 
 def _need(where: str, entries: dict, key: Any, ok: Any, expected: str) -> None:

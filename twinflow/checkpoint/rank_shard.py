@@ -77,8 +77,21 @@ class RankShard:
     def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int,
                  cache: FrameCache | None = None) -> None:  # fmt: skip
         path, expected = shard_file(directory, tag, info, rank)
-        self.f = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self.f = open(path, "rb")  # noqa: SIM115 (closed by close(), or here where the shard is refused)
         self.where = f"checkpoint {tag!r}, shard {path}"
+        try:
+            self._read(path, expected, tag)
+        except BaseException:
+            self.f.close()
+            raise
+        self.kept_scales: dict[int, dict[str, torch.Tensor]] = {}  # the frames' of `scaled` params, by key
+        self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
+        self.cache = cache if cache is not None else FrameCache()  # frames read by range
+        self.numel = {key: shape.numel() for key, shape, _ in self.model}
+        self.index = {key: k for k, (key, _, _) in enumerate(self.model)}
+
+    def _read(self, path: Path, expected: dict[str, Any], tag: str) -> None:
+        """Verifies the shard and reads its index: what __init__ keeps of it (the class's docstring)."""
         if is_compact(self.f):
             self.shard: CompactShard | None = CompactShard(self.f, expected, tag, path)
             self.model = self.shard.model
@@ -133,12 +146,7 @@ class RankShard:
                     self.shapes[i] = shapes[0]
             self.groups = optimizer.get("param_groups", [])
             self.scheduler, self.extra = self.whole.get("scheduler"), self.whole.get("extra")
-        self.kept_scales: dict[int, dict[str, torch.Tensor]] = {}  # the frames' of `scaled` params, by key
-        self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
-        self.cache = cache if cache is not None else FrameCache()  # frames read by range
         self.layout = layout if isinstance(layout, dict) else None
-        self.numel = {key: shape.numel() for key, shape, _ in self.model}
-        self.index = {key: k for k, (key, _, _) in enumerate(self.model)}
 
     def names(self) -> list[list[str]]:
         """Each optimizer parameter's names: from the layout, else (a checkpoint saved before the layout was
