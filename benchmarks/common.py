@@ -13,16 +13,22 @@ import torch
 
 
 def source_commit() -> str | None:
-    """The commit these scripts ran from: git's HEAD (with "-dirty" where tracked files differ from it), else
-    $TWINFLOW_COMMIT (a copy of the tree without .git: the caller names it), else None."""
+    """The commit these scripts ran from: $TWINFLOW_COMMIT where the caller names it (a copy of the tree without
+    .git), else git's HEAD of the repository whose top these scripts' tree is (with "-dirty" where tracked files
+    differ from it), else None (not the HEAD of a repository the copy merely lies in)."""
+    if os.environ.get("TWINFLOW_COMMIT"):
+        return os.environ["TWINFLOW_COMMIT"]
     root = Path(__file__).resolve().parent.parent
+    git = ["git", "--no-optional-locks", "-C", str(root)]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("TWINFLOW_COMMIT") or None
+        top, head, dirty = (subprocess.run([*git, *args], capture_output=True, text=True, check=True,
+                                           timeout=30).stdout.strip()
+                            for args in (["rev-parse", "--show-toplevel"], ["rev-parse", "HEAD"],
+                                         ["status", "--porcelain", "--untracked-files=no"]))  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if Path(top).resolve() != root:
+        return None
     return head + ("-dirty" if dirty else "")
 
 

@@ -87,6 +87,50 @@ def test_the_command_is_quoted_for_the_shell_and_only_a_per_rank_checkpoint_is_s
     with pytest.raises(CheckpointError, match="global_step9 holds no complete portable checkpoint") as missing:
         engine.load_checkpoint(folder, "global_step9")
     message = str(missing.value)
-    assert "it also holds per-rank checkpoints, which this twinflow no longer loads: ['global_step4']" in message
+    assert f"rewrite in the portable format one of the per-rank checkpoints {folder} holds" in message, message
+    assert "oldest first: ['global_step4']" in message and "pass tag=" not in message, message
     assert f"(the newest: `{rewrite_command(folder, 'global_step4')}`)" in message, message
     assert engine.global_steps == 0 and not engine.local_optimizer.state
+
+
+def test_a_missing_tag_lists_portable_and_per_rank_tags_apart_and_the_command_fits_the_newest(tmp_path) -> None:
+    """Beside a portable tag, two per-rank ones (oldest first by their meta.json), the newest named ``x.old`` (a
+    portable save of ``x`` killed between its renames leaves the per-rank ``x`` so): the command the hint names
+    writes it as ``x`` (a converted tag may not be named as a save's own folders), and it works. A folder the hint
+    cannot read is left out of it, not raised."""
+    import os
+    import shlex
+
+    from twinflow.checkpoint.convert_cli import main as convert_main
+
+    folder = tmp_path / "runs"
+    shutil.copytree(FIXTURES["per-rank"] / "fp32", folder)
+    shutil.copytree(folder / "global_step4", folder / "early")
+    (folder / "global_step4").rename(folder / "x.old")
+    for n, tag in enumerate(("early", "x.old")):
+        os.utime(folder / tag / "meta.json", (1_700_000_000 + n, 1_700_000_000 + n))
+    engine, *_ = twinflow.initialize(model=model(seed=1), config=config("fp32"))
+    engine.save_checkpoint(folder, "mine")
+    (folder / "locked").mkdir()
+    is_file = Path.is_file
+
+    def unreadable(path: Path) -> bool:
+        if path.parent.name == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "is_file", unreadable)
+        with pytest.raises(CheckpointError, match="gone holds no complete portable checkpoint") as missing:
+            engine.load_checkpoint(folder, "gone")
+    message = str(missing.value)
+    assert f"pass tag= one of those {folder} holds, oldest first: ['mine']" in message, message
+    assert "or rewrite in the portable format one of the per-rank checkpoints it also holds" in message, message
+    assert "oldest first: ['early', 'x.old']" in message and "locked" not in message, message
+    command = message.split("`")[1]
+    assert command == rewrite_command(folder, "x.old") and command.endswith("--out-tag x"), command
+    args = shlex.split(command.replace("OUT_DIR", shlex.quote(str(tmp_path / "out"))))
+    assert convert_main(args[3:]) == 0
+    resumed, *_ = twinflow.initialize(model=model(seed=2), config=config("fp32"))
+    path, _ = resumed.load_checkpoint(tmp_path / "out")
+    assert path.name == "x" and resumed.global_steps == BEFORE // 2

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.per_rank_fixture import NAME, two_ranks
 from twinflow.checkpoint import CheckpointError, to_portable
@@ -135,13 +136,18 @@ def test_a_torch_save_shard_whose_size_and_hash_are_recorded_is_refused_naming_i
         assert "cannot be read with torch.load" in message and "damaged or was not written by" in message, message
 
 
-def open_descriptors(path: Path) -> list[str]:
-    """This process's file descriptors open on `path` (Linux's /proc)."""
-    fds = Path("/proc/self/fd")
-    return [fd.name for fd in fds.iterdir() if os.path.realpath(fd) == os.path.realpath(path)]
+def held(path: Path) -> list[str]:
+    """What of this process holds `path`: file descriptors open on it, memory mappings of it (Linux's /proc)."""
+    real = os.path.realpath(path)
+    fds = [f"fd {fd.name}" for fd in Path("/proc/self/fd").iterdir() if os.path.realpath(fd) == real]
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(" " + real)]
+    return fds + maps
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads the open files in Linux's /proc")
+LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc")
+
+
+@LINUX_PROC
 @pytest.mark.parametrize("kind", SHARD_KINDS)
 def test_a_refused_shard_is_closed_while_the_error_is_still_held(copy, tmp_path: Path, kind: str) -> None:
     """The shard opened for its checks is closed when they refuse it, not when the traceback (holding the
@@ -153,7 +159,34 @@ def test_a_refused_shard_is_closed_while_the_error_is_still_held(copy, tmp_path:
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="has sha256") as caught:
         to_portable.to_portable(ckpt, "a", tmp_path / "out")
-    assert caught.traceback and not open_descriptors(shard)
+    assert caught.traceback and not held(shard)
+
+
+@LINUX_PROC
+def test_a_shard_refused_after_it_was_mapped_is_let_go(copy, tmp_path: Path) -> None:
+    """A torch.save shard whose size and hash are right but which holds no model: refused once mapped, and let go
+    at once, mapping and file."""
+    ckpt = copy("fp32")
+    shard = ckpt / "a" / "rank0.pt"
+    torch.save({"optimizer": {}, "model": [torch.zeros(4096)]}, shard)  # a tensor, mapped; a list, no model
+    record_as_it_is(shard)
+    with pytest.raises(CheckpointError, match="holds no model state dict") as caught:
+        to_portable.to_portable(ckpt, "a", tmp_path / "out")
+    assert caught.traceback and not held(shard)
+
+
+@LINUX_PROC
+def test_the_ranks_read_before_a_refused_one_are_let_go(copy, tmp_path: Path) -> None:
+    """Rank 1's shard refused: rank 0's, already verified and mapped, is closed and unmapped while the error is
+    still held."""
+    ckpt = Path(shutil.copytree(WRITTEN / "two_ranks_1_fp32" / "ckpt", tmp_path / "two" / "ckpt"))
+    first, second = ckpt / "moved" / "rank0.pt", ckpt / "moved" / "rank1.pt"
+    data = bytearray(second.read_bytes())
+    data[100] ^= 1
+    second.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"shard {re.escape(str(second))} has sha256") as caught:
+        to_portable.to_portable(ckpt, "moved", tmp_path / "out")
+    assert caught.traceback and not held(first) and not held(second)
 
 
 @pytest.mark.parametrize("kind", SHARD_KINDS)

@@ -286,8 +286,14 @@ PORTABLE_SAVING, PORTABLE_OLD = ".saving", ".old"
 
 
 def rewrite_command(directory: str | Path, tag: str) -> str:
-    """The command that rewrites per-rank checkpoint `tag` of `directory` in the portable format."""
-    return f"python -m twinflow.convert {shlex.quote(str(directory))} {shlex.quote(tag)} --to-portable OUT_DIR"
+    """The command that rewrites per-rank checkpoint `tag` of `directory` in the portable format; a tag named as a
+    portable save's own folders are (``x.old``: a per-rank ``x`` that a portable save of ``x`` replaced, killed
+    between its renames) is written as ``x``."""
+    command = f"python -m twinflow.convert {shlex.quote(str(directory))} {shlex.quote(tag)} --to-portable OUT_DIR"
+    for suffix in (PORTABLE_SAVING, PORTABLE_OLD):
+        if tag.endswith(suffix) and len(tag) > len(suffix):
+            return f"{command} --out-tag {shlex.quote(tag[: -len(suffix)])}"
+    return command
 
 
 def is_portable(folder: Path) -> bool:

@@ -24,23 +24,32 @@ def tags_hint(directory: Path) -> str:
     killed before it was put in place (``<tag>.saving``); a ``<tag>.old`` only as its tag, where the process died
     between a re-save's renames (the load reads it there). Per-rank tags there are listed apart, with the command
     that rewrites one in the portable format."""
-    folders, older = {}, {}
-    for p in directory.iterdir():
+    portable, per_rank = {}, {}  # tag: when its index was written
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        entries = []
+    for p in entries:
         tag = p.name[: -len(OLD)] if p.name.endswith(OLD) else p.name
-        if not p.name.endswith(SAVING) and is_portable(p) and (tag == p.name or not (directory / tag).exists()):
-            folders[tag] = p / ".metadata"
-        elif (p / "meta.json").is_file():  # a per-rank checkpoint: the command that rewrites it is named
-            older[p.name] = p / "meta.json"
-    tags, per_rank = (sorted(found, key=lambda tag: (found[tag].stat().st_mtime, tag)) for found in (folders, older))
-    if not tags:
-        hint = f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
-    else:
-        hint = f"pass tag= one of those {directory} holds, oldest first: {tags} (the newest: tag={tags[-1]!r})"
-    if per_rank:
-        hint += (f"; it also holds per-rank checkpoints, which this twinflow no longer loads: {per_rank}; rewrite one "
-                 f"in the portable format (the newest: `{rewrite_command(directory, per_rank[-1])}`) and load "
-                 "OUT_DIR")  # fmt: skip
-    return hint
+        try:
+            if not p.name.endswith(SAVING) and is_portable(p) and (tag == p.name or not (directory / tag).exists()):
+                portable[tag] = (p / ".metadata").stat().st_mtime
+            elif (p / "meta.json").is_file():  # a per-rank checkpoint: the command that rewrites it is named
+                per_rank[p.name] = (p / "meta.json").stat().st_mtime
+        except OSError:  # unreadable, or removed meanwhile: the hint lists what can be read
+            continue
+    tags, older = (sorted(found, key=lambda tag: (found[tag], tag)) for found in (portable, per_rank))
+    if not tags and not older:
+        return f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
+    hint = (
+        f"pass tag= one of those {directory} holds, oldest first: {tags} (the newest: tag={tags[-1]!r})" if tags else ""
+    )
+    if not older:
+        return hint
+    rewrite = (f"rewrite in the portable format one of the per-rank checkpoints {'it also' if tags else directory} "
+               f"holds (which this twinflow no longer loads), oldest first: {older}, and load OUT_DIR (the newest: "
+               f"`{rewrite_command(directory, older[-1])}`)")  # fmt: skip
+    return f"{hint}; or {rewrite}" if tags else rewrite
 
 
 def _need(where: str, entries: dict, key: Any, ok: Any, expected: str) -> None:

@@ -77,12 +77,12 @@ class RankShard:
     def __init__(self, directory: Path, tag: str, info: dict[str, Any], rank: int,
                  cache: FrameCache | None = None) -> None:  # fmt: skip
         path, expected = shard_file(directory, tag, info, rank)
-        self.f = open(path, "rb")  # noqa: SIM115 (closed by close(), or here where the shard is refused)
+        self.f = open(path, "rb")  # noqa: SIM115 (closed by close(), also where the shard is refused)
         self.where = f"checkpoint {tag!r}, shard {path}"
         try:
             self._read(path, expected, tag)
         except BaseException:
-            self.f.close()
+            self.close()
             raise
         self.kept_scales: dict[int, dict[str, torch.Tensor]] = {}  # the frames' of `scaled` params, by key
         self.scaled: set[int] = set()  # parameters whose records' scales are kept when read (:meth:`keep_scales`)
@@ -230,4 +230,6 @@ class RankShard:
         return payload
 
     def close(self) -> None:
+        """Closes the shard and lets go of its mapping (a caller holding an error holds the reader, not the file)."""
         self.f.close()
+        self.whole = self.shard = None
