@@ -31,7 +31,7 @@ def per_rank(directory: str | Path, tag: str | None) -> tuple[str, dict[str, Any
     if holds(directory, tag):
         return None
     name = tag_named(directory, tag)
-    if not name or not (directory / name / "meta.json").is_file():
+    if not name or not checkpoint_files.is_per_rank(directory / name):
         return None
     return checkpoint_files.read_meta(directory, name)
 

@@ -29,6 +29,7 @@ class CheckpointError(RuntimeError):
 
 
 SHARD_NAME = re.compile(r"rank\d+\.pt")
+META = "meta.json"  # a per-rank checkpoint's index, written once every shard is in place
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Our temporaries: ".<target>.tmp<pid>@<host>", <target> being "latest"; twinflow 0.1.0's per-rank saves also left
 # "meta.json" and "<tag>.rank<r>.pt" (a shard staged before its tag folder existed), and earlier versions
@@ -296,6 +297,11 @@ def rewrite_command(directory: str | Path, tag: str) -> str:
     return command
 
 
+def is_per_rank(folder: Path) -> bool:
+    """Whether a tag folder holds a complete per-rank checkpoint (its meta.json, written last)."""
+    return (folder / META).is_file()
+
+
 def is_portable(folder: Path) -> bool:
     """Whether a tag folder holds a complete checkpoint of the portable format (:mod:`.portable`)."""
     return (folder / PORTABLE_INFO).is_file() and (folder / ".metadata").is_file()
@@ -311,7 +317,7 @@ def _tags(directory: Path) -> tuple[list[str], list[str]]:
     except OSError:
         return [], []
     for p in folders:
-        meta_path = p / "meta.json"
+        meta_path = p / META
         try:
             index = meta_path if meta_path.is_file() else p / ".metadata"  # per-rank, else portable (DCP's)
             if index is meta_path or is_portable(p):
@@ -343,8 +349,8 @@ def _check_directory(directory: Path) -> None:
             "holds 'latest' and the tag folders)"
         )
     if not directory.is_dir():
-        if SHARD_NAME.fullmatch(directory.name) or directory.name == "meta.json":
-            kind = "shard" if directory.name != "meta.json" else "metadata"
+        if SHARD_NAME.fullmatch(directory.name) or directory.name == META:
+            kind = "shard" if directory.name != META else "metadata"
             raise CheckpointError(
                 f"{str(directory)!r} is a {kind} file of checkpoint {directory.parent.name!r}; pass the checkpoint "
                 f"directory {str(directory.parent.parent)!r} and tag={directory.parent.name!r}"
@@ -354,9 +360,7 @@ def _check_directory(directory: Path) -> None:
         raise CheckpointError(
             f"{str(directory)!r} is a file, not a checkpoint directory: pass the directory given to save_checkpoint"
         )
-    looks_like_tag = (directory / "meta.json").is_file() or any(
-        SHARD_NAME.fullmatch(p.name) for p in directory.iterdir()
-    )
+    looks_like_tag = is_per_rank(directory) or any(SHARD_NAME.fullmatch(p.name) for p in directory.iterdir())
     if looks_like_tag and not (directory / "latest").exists():
         raise CheckpointError(
             f"{str(directory)!r} is a checkpoint tag folder; pass its parent {str(directory.parent)!r} as the "
@@ -427,7 +431,7 @@ def read_meta(directory: str | Path, tag: str | None = None) -> tuple[str, dict[
             raise CheckpointError(f"{latest} is empty; {_tag_hint(directory)}")
         named_by = f"{latest} names {tag!r}, but "
     folder = directory / tag
-    meta_path = folder / "meta.json"
+    meta_path = folder / META
     if not folder.is_dir():
         raise CheckpointError(f"{named_by}there is no checkpoint {tag!r} in {str(directory)!r}; {_tag_hint(directory)}")
     if not meta_path.is_file() and is_portable(folder):

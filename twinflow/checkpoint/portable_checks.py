@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from twinflow.checkpoint.checkpoint_files import META, CheckpointError, is_per_rank, is_portable, rewrite_command
 from twinflow.checkpoint.checkpoint_files import PORTABLE_OLD as OLD
 from twinflow.checkpoint.checkpoint_files import PORTABLE_SAVING as SAVING
-from twinflow.checkpoint.checkpoint_files import CheckpointError, is_portable, rewrite_command
 
 DAMAGED = "(the file is damaged); nothing was changed: load another tag, or save it again"
 
@@ -34,18 +34,16 @@ def tags_hint(directory: Path) -> str:
         try:
             if not p.name.endswith(SAVING) and is_portable(p) and (tag == p.name or not (directory / tag).exists()):
                 portable[tag] = (p / ".metadata").stat().st_mtime
-            elif (p / "meta.json").is_file():  # a per-rank checkpoint: the command that rewrites it is named
-                per_rank[p.name] = (p / "meta.json").stat().st_mtime
+            elif is_per_rank(p):  # the command that rewrites it is named
+                per_rank[p.name] = (p / META).stat().st_mtime
         except OSError:  # unreadable, or removed meanwhile: the hint lists what can be read
             continue
     tags, older = (sorted(found, key=lambda tag: (found[tag], tag)) for found in (portable, per_rank))
-    if not tags and not older:
-        return f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
     hint = (
         f"pass tag= one of those {directory} holds, oldest first: {tags} (the newest: tag={tags[-1]!r})" if tags else ""
     )
     if not older:
-        return hint
+        return hint or f"find the directory it was saved to: {directory} holds no complete portable checkpoint"
     rewrite = (f"rewrite in the portable format one of the per-rank checkpoints {'it also' if tags else directory} "
                f"holds (which this twinflow no longer loads), oldest first: {older}, and load OUT_DIR (the newest: "
                f"`{rewrite_command(directory, older[-1])}`)")  # fmt: skip
